@@ -1,0 +1,55 @@
+"""What verl loads in every process through the ``verl.plugins`` entry point: verl_mas's registrations.
+
+verl imports this module at the end of ``import verl`` in the driver, the TaskRunner and every Ray worker.
+It only *registers* (a platform, a rollout backend, ...): nothing of stock verl is overridden unless a
+config selects it (``VERL_PLATFORM=cpu``, ``actor_rollout_ref.rollout.name=hf``, ...).
+
+verl swallows plugin import errors at DEBUG level, after which a run fails much later with an unrelated
+message ("Rollout hf with mode async not found"). So a failure here is logged as a WARNING naming the
+cause and the fix before it propagates. ``VERL_USE_EXTERNAL_MODULES=verl_mas._plugin`` loads the same
+module through verl's other mechanism, where errors are not swallowed.
+"""
+
+from __future__ import annotations
+
+import logging
+
+logger = logging.getLogger("verl_mas")
+
+#: The names registered in verl's registries, for diagnostics and tests.
+REGISTERED: dict[str, list[str]] = {"platform": [], "rollout": []}
+LOADED = False
+
+
+def _register() -> None:
+    # The CPU platform class registers itself with verl's PlatformRegistry on import; it is inert
+    # unless VERL_PLATFORM=cpu, in which case install() also applies the CPU-only fixes.
+    from verl.workers.rollout import base as rollout_base
+    from verl.workers.rollout.replica import RolloutReplicaRegistry
+
+    from verl_mas.backends import cpu_platform
+
+    cpu_platform.install()
+    REGISTERED["platform"] = [cpu_platform.PLATFORM_NAME]
+
+    # The hf rollout backend: lazy loaders, the module is imported only when selected.
+    from verl_mas.backends.hf_rollout_names import ADAPTER_PATH, BACKEND_NAME, load_replica_class
+
+    RolloutReplicaRegistry.register(BACKEND_NAME, load_replica_class)
+    rollout_base._ROLLOUT_REGISTRY[(BACKEND_NAME, "async")] = ADAPTER_PATH
+    REGISTERED["rollout"] = [BACKEND_NAME]
+
+
+try:
+    _register()
+    LOADED = True
+except Exception as exc:  # re-raised below: verl would otherwise hide it at DEBUG level
+    logger.warning(
+        "verl_mas failed to register with verl (%s: %s), so verl_mas features (the cpu platform, the hf "
+        "rollout backend, the at_grpo estimator, the mas trainer) are unavailable in this process. "
+        "Fix the error above (is verl==0.9.1 installed?) and re-run; to see the full traceback, set "
+        "VERL_USE_EXTERNAL_MODULES=verl_mas._plugin, which makes verl raise plugin import errors.",
+        type(exc).__name__,
+        exc,
+    )
+    raise

@@ -1,0 +1,1 @@
+"""Small built-in jobs that run verl's real trainer on CPU (demos and smoke tests)."""
