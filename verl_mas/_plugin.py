@@ -17,7 +17,7 @@ import logging
 logger = logging.getLogger("verl_mas")
 
 #: The names registered in verl's registries, for diagnostics and tests.
-REGISTERED: dict[str, list[str]] = {"platform": [], "rollout": []}
+REGISTERED: dict[str, list[str]] = {"platform": [], "rollout": [], "adv_estimator": []}
 LOADED = False
 
 
@@ -39,6 +39,12 @@ def _register() -> None:
     rollout_base._ROLLOUT_REGISTRY[(BACKEND_NAME, "async")] = ADAPTER_PATH
     REGISTERED["rollout"] = [BACKEND_NAME]
 
+    # The AT-GRPO advantage estimator (algorithm.adv_estimator=at_grpo).
+    from verl_mas.advantage import at_grpo
+
+    at_grpo.register()
+    REGISTERED["adv_estimator"] = [at_grpo.ESTIMATOR_NAME]
+
 
 try:
     _register()
@@ -47,7 +53,7 @@ except Exception as exc:  # re-raised below: verl would otherwise hide it at DEB
     logger.warning(
         "verl_mas failed to register with verl (%s: %s), so verl_mas features (the cpu platform, the hf "
         "rollout backend, the at_grpo estimator, the mas trainer) are unavailable in this process. "
-        "Fix the error above (is verl==0.9.1 installed?) and re-run; to see the full traceback, set "
+        "Fix the cause (is verl==0.9.1 installed next to verl_mas?) and re-run; for the full traceback set "
         "VERL_USE_EXTERNAL_MODULES=verl_mas._plugin, which makes verl raise plugin import errors.",
         type(exc).__name__,
         exc,

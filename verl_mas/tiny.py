@@ -190,7 +190,7 @@ def build_model(
         bos_token_id=None,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
-        torch_dtype="float32",
+        dtype="float32",
     )
     # A private generator would be cleaner, but transformers' init uses the global RNG; fork it so the
     # caller's RNG state is left untouched.

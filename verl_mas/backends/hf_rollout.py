@@ -102,7 +102,7 @@ class HFGenerationEngine:
         from transformers import AutoModelForCausalLM, GenerationConfig
 
         model = AutoModelForCausalLM.from_pretrained(
-            path, torch_dtype=torch.float32, attn_implementation="sdpa", trust_remote_code=trust_remote_code
+            path, dtype=torch.float32, attn_implementation="sdpa", trust_remote_code=trust_remote_code
         )
         eos: set[int] = set()
         try:

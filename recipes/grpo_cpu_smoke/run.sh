@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Stock verl GRPO on CPU with verl_mas's cpu platform and hf rollout backend (see grpo_cpu_smoke.yaml).
+# Usage: bash recipes/grpo_cpu_smoke/run.sh [hydra overrides...]
+# Outputs go to $VERL_MAS_RUN_DIR (default: ./runs/grpo_cpu_smoke): model, data, metrics.jsonl, hydra logs.
+set -euo pipefail
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+PYTHON="${PYTHON:-python}"
+RUN_DIR="$(mkdir -p "${VERL_MAS_RUN_DIR:-runs/grpo_cpu_smoke}" && cd "${VERL_MAS_RUN_DIR:-runs/grpo_cpu_smoke}" && pwd)"
+
+[ -f "$RUN_DIR/model/config.json" ] || "$PYTHON" -m verl_mas.tiny --out "$RUN_DIR/model"
+[ -f "$RUN_DIR/data/train.parquet" ] || "$PYTHON" -m verl_mas.demo.digits --out "$RUN_DIR/data"
+REWARD_FN="$("$PYTHON" -c 'import verl_mas.demo.digits as m; print(m.__file__)')"
+
+export VERL_PLATFORM=cpu
+export VERL_FILE_LOGGER_PATH="$RUN_DIR/metrics.jsonl"
+"$PYTHON" -m verl.trainer.main_ppo --config-path "$HERE" --config-name grpo_cpu_smoke \
+  actor_rollout_ref.model.path="$RUN_DIR/model" \
+  data.train_files="$RUN_DIR/data/train.parquet" data.val_files="$RUN_DIR/data/test.parquet" \
+  reward.custom_reward_function.path="$REWARD_FN" \
+  hydra.run.dir="$RUN_DIR/hydra" \
+  "$@"

@@ -1,0 +1,271 @@
+"""Drives verl's real FSDP2 actor on the CPU in a child process and reports what it measured as JSON.
+
+Used by ``tests/test_fsdp_actor_cpu.py``. The scenario runs in its own interpreter because it sets
+process-wide state that must not leak into other tests: ``VERL_PLATFORM=cpu`` and the torchrun-style
+``RANK``/``WORLD_SIZE``/``MASTER_*`` variables read at ``import verl`` and by verl's ``Worker``, and a
+global gloo process group that verl's ``TrainingWorker`` initialises and never destroys.
+
+Nothing of verl is mocked. The actor is ``verl.workers.engine_workers.ActorRolloutRefWorker(role="actor")``
+built from verl's own Hydra config (``ppo_trainer``), i.e. ``TrainingWorker`` + ``FSDPEngineWithLMHead``
+(strategy ``fsdp2``) + ``ppo_loss``, called in-process (one rank, world size 1) exactly the way verl's
+trainer calls it through a worker group: ``compute_log_prob`` and ``update_actor`` on no-padding
+TensorDicts built with verl's ``left_right_2_no_padding``.
+
+Usage (the test's ``run_scenario`` sets the environment)::
+
+    VERL_PLATFORM=cpu RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 MASTER_ADDR=127.0.0.1 MASTER_PORT=29511 \
+        python tests/_fsdp_helpers.py WORKDIR
+
+writes ``WORKDIR/result.json`` and the tiny model under ``WORKDIR/tiny``, nothing else (Hydra's compose
+API creates no run directory, and no Ray is started).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+#: Prompt and response lengths of the four sequences (unequal, so left/right padding is exercised).
+PROMPT_LENS = (5, 8, 3, 6)
+RESPONSE_LENS = (6, 4, 3, 3)
+#: Per-sequence advantages of the PPO update: two rewarded responses, two penalised ones.
+ADVANTAGES = (1.0, 1.0, -1.0, -1.0)
+#: Learning rate and AdamW betas of the actor (verl's AdamW; weight decay 0 so that a zero gradient
+#: leaves the parameters bit-identical, which makes the zero-advantage control exact).
+LR = 1e-3
+BETAS = (0.9, 0.999)
+#: The sampling temperature used for the second parity check (the first uses 1.0).
+ALT_TEMPERATURE = 0.7
+
+
+def actor_overrides(model_path: str, use_remove_padding: bool) -> list[str]:
+    """Hydra overrides of verl's ``ppo_trainer`` config for a one-rank, full-fp32 FSDP2 actor on the CPU."""
+    return [
+        f"actor_rollout_ref.model.path={model_path}",
+        # verl's default is flash_attention_2, which needs CUDA.
+        "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
+        f"actor_rollout_ref.model.use_remove_padding={str(use_remove_padding).lower()}",
+        "actor_rollout_ref.actor.strategy=fsdp2",
+        # Full fp32: weights loaded in fp32 (model_dtype) and FSDP2's MixedPrecisionPolicy kept at fp32
+        # for params/reductions/buffers. verl's default without `mixed_precision` is param_dtype bf16
+        # (plus a bf16 autocast in forward_step): log-probs then differ from fp32 transformers by ~2e-2.
+        "actor_rollout_ref.actor.fsdp_config.model_dtype=fp32",
+        "+actor_rollout_ref.actor.fsdp_config.mixed_precision={param_dtype:fp32,reduce_dtype:fp32,buffer_dtype:fp32}",
+        # torch.compile of the entropy kernel would invoke a C++ toolchain on the CPU: slow, not under test.
+        "actor_rollout_ref.actor.fsdp_config.use_torch_compile=false",
+        "actor_rollout_ref.actor.use_torch_compile=false",
+        # One mini-batch of all 4 sequences = one optimizer step per update_actor call.
+        "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+        "actor_rollout_ref.actor.ppo_epochs=1",
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4",
+        "actor_rollout_ref.rollout.n=1",
+        f"actor_rollout_ref.actor.optim.lr={LR}",
+        f"actor_rollout_ref.actor.optim.betas=[{BETAS[0]},{BETAS[1]}]",
+        "actor_rollout_ref.actor.optim.weight_decay=0.0",
+        "actor_rollout_ref.actor.entropy_coeff=0",
+        "actor_rollout_ref.actor.use_kl_loss=false",
+    ]
+
+
+# --------------------------------------------------------------------------------------------------
+# The scenario (runs in the child, with the environment set by the test's ``run_scenario``).
+# --------------------------------------------------------------------------------------------------
+
+
+def _scenario(workdir: Path) -> dict[str, Any]:
+    t_start = time.perf_counter()
+    timings: dict[str, float] = {}
+
+    import torch
+    import verl  # noqa: F401  (loads the verl_mas plugin: the cpu platform)
+    from hydra import compose, initialize_config_module
+    from verl.utils import tensordict_utils as tu
+    from verl.utils.device import get_device_name
+    from verl.workers.engine_workers import ActorRolloutRefWorker
+    from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_padding
+
+    from verl_mas.tiny import write_tiny
+
+    if get_device_name() != "cpu":
+        raise RuntimeError(
+            f"verl's device is {get_device_name()!r}, not 'cpu': the verl_mas plugin did not register the cpu "
+            "platform (is verl_mas installed, and VERL_PLATFORM=cpu set?)."
+        )
+    timings["import_s"] = time.perf_counter() - t_start
+
+    model_path = write_tiny(workdir / "tiny")
+    timings["tiny_model_s"] = time.perf_counter() - t_start - timings["import_s"]
+
+    def build_actor(use_remove_padding: bool) -> ActorRolloutRefWorker:
+        with initialize_config_module("verl.trainer.config", version_base=None):
+            cfg = compose("ppo_trainer", overrides=actor_overrides(str(model_path), use_remove_padding))
+        worker = ActorRolloutRefWorker(config=cfg.actor_rollout_ref, role="actor")
+        worker.init_model()
+        return worker
+
+    t = time.perf_counter()
+    actor = build_actor(use_remove_padding=True)  # verl's default: sequences packed into one row
+    timings["actor_init_s"] = time.perf_counter() - t
+
+    engine = actor.actor.engine
+    module = engine.module
+    param_dtypes = sorted({str(p.dtype) for p in module.parameters()})
+    engine_info = {
+        "engine_class": type(engine).__name__,
+        "module_class": type(module).__name__,
+        "strategy": engine.engine_config.strategy,
+        "param_dtypes": param_dtypes,
+        "autocast_dtype": str(engine._autocast_dtype),
+        "mixed_precision": dict(engine.engine_config.mixed_precision or {}),
+        "model_dtype": engine.engine_config.model_dtype,
+        "device": get_device_name(),
+        "world_size": torch.distributed.get_world_size(),
+        "process_group_backend": str(torch.distributed.get_backend()),
+        "optimizer": type(engine.optimizer).__name__,
+    }
+
+    # ---- a fixed batch in verl's left/right-padded layout (prompts left-padded, responses right-padded)
+    vocab_size = module.config.vocab_size
+    gen = torch.Generator().manual_seed(1234)
+    bs, max_p, max_r = len(PROMPT_LENS), max(PROMPT_LENS), max(RESPONSE_LENS)
+    prompts = torch.zeros(bs, max_p, dtype=torch.long)  # pad id 0 (<|endoftext|>)
+    responses = torch.zeros(bs, max_r, dtype=torch.long)
+    prompt_mask = torch.zeros(bs, max_p, dtype=torch.long)
+    response_mask = torch.zeros(bs, max_r, dtype=torch.long)
+    sequences: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for i, (pl, rl) in enumerate(zip(PROMPT_LENS, RESPONSE_LENS, strict=True)):
+        p = torch.randint(3, vocab_size, (pl,), generator=gen)  # ids 0-2 are special tokens
+        r = torch.randint(3, vocab_size, (rl,), generator=gen)
+        prompts[i, max_p - pl :], prompt_mask[i, max_p - pl :] = p, 1
+        responses[i, :rl], response_mask[i, :rl] = r, 1
+        sequences.append((p, r))
+    attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
+    position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
+
+    def make_batch(**fields: torch.Tensor) -> Any:
+        # As verl's trainer does: padded DataProto fields -> TensorDict -> no-padding (nested) layout.
+        td = tu.get_tensordict(
+            {
+                "prompts": prompts,
+                "responses": responses,
+                "input_ids": torch.cat([prompts, responses], dim=1),
+                "attention_mask": attention_mask,
+                "position_ids": position_ids,
+                "response_mask": response_mask.clone(),
+                **fields,
+            }
+        )
+        return left_right_2_no_padding(td)
+
+    def verl_log_probs(worker: ActorRolloutRefWorker, temperature: float = 1.0) -> torch.Tensor:
+        td = make_batch()
+        tu.assign_non_tensor(td, calculate_entropy=True, compute_loss=False, temperature=temperature)
+        out = worker.compute_log_prob(td)
+        # (bs, max_response_len), zero at padding
+        return no_padding_2_padding(tu.get(out, "log_probs"), td).float() * response_mask
+
+    # ---- the reference: plain transformers, one unpadded sequence at a time, no verl code involved
+    from transformers import AutoModelForCausalLM
+
+    hf_model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+
+    def hf_log_probs(temperature: float = 1.0) -> torch.Tensor:
+        ref = torch.zeros(bs, max_r)
+        with torch.no_grad():
+            for i, (p, r) in enumerate(sequences):
+                logits = hf_model(torch.cat([p, r])[None]).logits[0].float()  # (pl + rl, vocab)
+                # logits at position t predict token t + 1: response token j is predicted at pl - 1 + j
+                logp = torch.log_softmax(logits[len(p) - 1 : len(p) + len(r) - 1] / temperature, dim=-1)
+                ref[i, : len(r)] = logp.gather(-1, r[:, None])[:, 0]
+        return ref
+
+    t = time.perf_counter()
+    ref_t1, ref_alt = hf_log_probs(1.0), hf_log_probs(ALT_TEMPERATURE)
+    got_t1, got_alt = verl_log_probs(actor, 1.0), verl_log_probs(actor, ALT_TEMPERATURE)
+    timings["log_probs_s"] = time.perf_counter() - t
+    n_tokens = int(response_mask.sum())
+    parity = {
+        "max_abs_diff": (got_t1 - ref_t1).abs().max().item(),
+        "max_abs_diff_alt_temperature": (got_alt - ref_alt).abs().max().item(),
+        "alt_temperature": ALT_TEMPERATURE,
+        "mean_log_prob": (ref_t1.sum() / n_tokens).item(),
+        "min_log_prob": ref_t1[response_mask.bool()].min().item(),
+        "max_log_prob": ref_t1[response_mask.bool()].max().item(),
+        "n_response_tokens": n_tokens,
+        "vocab_size": vocab_size,
+        "verl_log_probs": got_t1.tolist(),
+        "hf_log_probs": ref_t1.tolist(),
+    }
+
+    # ---- PPO updates through verl's update_actor (TrainingWorker.train_mini_batch -> ppo_loss)
+    def params() -> dict[str, torch.Tensor]:
+        return {n: p.detach().full_tensor().clone() for n, p in module.named_parameters()}
+
+    def ppo_update(per_seq_advantage: tuple[float, ...]) -> dict[str, Any]:
+        old = verl_log_probs(actor)  # pi_old = current policy, as verl's trainer computes it
+        advantages = torch.tensor(per_seq_advantage)[:, None] * response_mask  # (bs, max_r), GRPO-style
+        td = make_batch(old_log_probs=old, advantages=advantages)
+        # The keys verl's trainer attaches before update_actor (ray_trainer._update_actor).
+        tu.assign_non_tensor(
+            td,
+            calculate_entropy=False,
+            distillation_use_topk=False,
+            distillation_only=False,
+            global_batch_size=bs,
+            mini_batch_size=bs,
+            epochs=1,
+            seed=42,
+            dataloader_kwargs={"shuffle": False},
+            compute_loss=True,
+            temperature=1.0,
+        )
+        before = params()
+        metrics = tu.get(actor.update_actor(td), "metrics")
+        after = params()
+        new = verl_log_probs(actor)
+        return {
+            "advantages": list(per_seq_advantage),
+            "metrics": {k: [float(x) for x in v] for k, v in metrics.items() if not k.startswith("perf/")},
+            "seq_log_prob_before": old.sum(dim=1).tolist(),
+            "seq_log_prob_after": new.sum(dim=1).tolist(),
+            "seq_log_prob_delta": (new.sum(dim=1) - old.sum(dim=1)).tolist(),
+            "param_max_abs_delta": {n: (after[n] - before[n]).abs().max().item() for n in before},
+        }
+
+    t = time.perf_counter()
+    # Order matters for the hand-computed step size in the test: the control runs first, on a fresh
+    # AdamW, so the signal update is AdamW's 2nd step after a zero-gradient 1st step.
+    control = ppo_update(tuple(0.0 for _ in ADVANTAGES))
+    signal = ppo_update(ADVANTAGES)
+    timings["updates_s"] = time.perf_counter() - t
+
+    # ---- the padded model-input path (use_remove_padding=false): a second, independent actor
+    t = time.perf_counter()
+    padded_actor = build_actor(use_remove_padding=False)
+    parity["max_abs_diff_padded_inputs"] = (verl_log_probs(padded_actor, 1.0) - ref_t1).abs().max().item()
+    timings["padded_actor_s"] = time.perf_counter() - t
+
+    timings["total_s"] = time.perf_counter() - t_start
+    return {
+        "engine": engine_info,
+        "config": {"lr": LR, "betas": list(BETAS), "prompt_lens": PROMPT_LENS, "response_lens": RESPONSE_LENS},
+        "parity": parity,
+        "control_update": control,
+        "ppo_update": signal,
+        "timings": timings,
+    }
+
+
+def main(argv: list[str]) -> int:
+    workdir = Path(argv[1]).resolve()
+    result = _scenario(workdir)
+    (workdir / "result.json").write_text(json.dumps(result, indent=1, default=float))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

@@ -1,0 +1,20 @@
+"""Shared fixtures: tiny models built locally (no hub) once per test session."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+# Ray and verl write to the home directory and /tmp unless told otherwise; keep test runs out of the
+# checkout and quiet about Ray's usage stats.
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A ~0.16M-parameter Qwen2 model with the byte-level BPE tokenizer, written by verl_mas.tiny."""
+    from verl_mas.tiny import write_tiny
+
+    return write_tiny(tmp_path_factory.mktemp("tiny") / "model")

@@ -1,0 +1,231 @@
+"""The test doubles users rely on: ScriptedLLM, RandomLLM, run_workflow, check_workflow and the CLI."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from verl_mas import GenerateRequest, InfraError, Workflow, user
+from verl_mas.run import main as cli_main
+from verl_mas.testing import (
+    RandomLLM,
+    ScriptedLLM,
+    WorkflowCheckError,
+    check_workflow,
+    default_tokenizer,
+    run_workflow,
+)
+from verl_mas.workflows.toy import AgreeWorkflow, WalkWorkflow
+
+
+def _request(role="r", n=3, messages=(), seed=0):
+    return GenerateRequest(
+        role=role, prompt_ids=[1, 2], n=n, group_key=f"t|{role}|0", session_id="s", seed=seed, messages=tuple(messages)
+    )
+
+
+async def test_scripted_llm_cycles_per_role_replies_through_the_tokenizer():
+    tok = default_tokenizer()
+    llm = ScriptedLLM({"r": ["left", "right"], "q": "up"}, tokenizer=tok, logprob=-0.5)
+    first = await llm.generate(_request("r"))
+    second = await llm.generate(_request("r"))
+    texts = [tok.decode(s.token_ids, skip_special_tokens=True) for s in first + second]
+    assert texts == ["left", "right", "left", "right", "left", "right"]  # one cursor per role, across requests
+    assert first[0].token_ids == tok.encode("left", add_special_tokens=False) + [tok.eos_token_id]
+    assert first[0].logprobs == [-0.5] * len(first[0].token_ids)
+    assert [tok.decode(s.token_ids, skip_special_tokens=True) for s in await llm.generate(_request("q", n=2))] == [
+        "up",
+        "up",
+    ]
+    with pytest.raises(ValueError, match="no replies for role 'x'"):
+        await llm.generate(_request("x"))
+
+
+async def test_scripted_llm_exception_reply_fails_that_sample_only():
+    llm = ScriptedLLM({"r": ["ok", InfraError("503")]}, tokenizer=default_tokenizer())
+    samples = await llm.generate(_request("r", n=2))
+    assert samples[0].error is None and "503" in samples[1].error and samples[1].token_ids == []
+
+
+@pytest.mark.parametrize("is_async", [False, True])
+async def test_scripted_llm_callable_sees_role_and_messages(is_async):
+    seen = []
+
+    def reply(role, messages):
+        seen.append((role, messages[-1]["content"]))
+        return f"{role} heard {len(messages)}"
+
+    async def areply(role, messages):
+        await asyncio.sleep(0)
+        return reply(role, messages)
+
+    llm = ScriptedLLM(areply if is_async else reply, tokenizer=default_tokenizer())
+    samples = await llm.generate(_request("r", n=2, messages=[user("hi")]))
+    assert seen == [("r", "hi"), ("r", "hi")]  # once per candidate
+    assert default_tokenizer().decode(samples[0].token_ids, skip_special_tokens=True) == "r heard 1"
+
+
+async def test_random_llm_is_reproducible_per_request_seed():
+    tok = default_tokenizer()
+    a = await RandomLLM(7, tokenizer=tok).generate(_request(n=4, seed=11))
+    b = await RandomLLM(7, tokenizer=tok).generate(_request(n=4, seed=11))
+    c = await RandomLLM(7, tokenizer=tok).generate(_request(n=4, seed=12))
+    assert [s.token_ids for s in a] == [s.token_ids for s in b] != [s.token_ids for s in c]
+    special = set(tok.all_special_ids)
+    for s in a:
+        assert s.token_ids[-1] == tok.eos_token_id and not special & set(s.token_ids[:-1])
+        assert len(s.logprobs) == len(s.token_ids)
+
+
+def test_run_workflow_is_sync_and_refuses_a_running_loop():
+    episode = run_workflow(
+        "toy-walk-v0", {"start": 0, "goal": 1}, llm={"planner": "right", "mover": "right"}, branching=2
+    )
+    assert episode.terminated and episode.workflow_id == "toy-walk-v0"
+
+    async def inside():
+        run_workflow("toy-walk-v0")
+
+    with pytest.raises(RuntimeError, match="arun_workflow"):
+        asyncio.run(inside())
+
+
+def test_same_seed_same_transcript():
+    a = run_workflow(AgreeWorkflow, seed=5)
+    b = run_workflow(AgreeWorkflow, seed=5)
+    c = run_workflow(AgreeWorkflow, seed=6)
+    assert a.transcript() == b.transcript() != c.transcript()
+
+
+# --------------------------------------------------------------------------------------------------
+# check_workflow: passes the toys, and catches each kind of broken workflow (negative controls).
+
+
+@pytest.mark.parametrize("workflow", [WalkWorkflow, "toy-agree-v0"])
+def test_check_workflow_passes_the_toys(workflow):
+    episode = check_workflow(workflow)
+    assert episode.validate() == []
+
+
+class _UsesGlobalRandom(Workflow):
+    roles = ("solo",)
+
+    async def run(self, task):
+        for _ in self.turns():
+            group = await self.generate("solo", [user(f"pick {random.random():.6f}")])  # not self.rng
+            for c in group:
+                c.reward = 0.0
+            group.best()
+
+
+class _ForgetsLastTurn(Workflow):
+    roles = ("solo",)
+
+    async def run(self, task):
+        for turn in self.turns():
+            group = await self.generate("solo", [user("go")])
+            if turn < self.max_turns - 1:
+                for c in group:
+                    c.reward = 1.0
+
+
+class _GhostRole(Workflow):
+    roles = ("solo", "ghost")
+
+    async def run(self, task):
+        group = await self.generate("solo", [user("go")])
+        for c in group:
+            c.reward = 0.0
+
+
+class _TampersWithPrompts(Workflow):
+    """Deliberately breaks its group: one member's prompt ids no longer match the others'."""
+
+    roles = ("solo",)
+
+    async def run(self, task):
+        group = await self.generate("solo", [user("go")])
+        for c in group:
+            c.reward = 0.0
+        group[-1].prompt_ids.append(0)
+
+
+class _Hangs(Workflow):
+    roles = ("solo",)
+
+    async def run(self, task):
+        await asyncio.Event().wait()
+
+
+@pytest.mark.parametrize(
+    ("workflow", "match"),
+    [
+        (_UsesGlobalRandom, "same seed gave two different episodes"),
+        (_ForgetsLastTurn, "unrewarded candidates"),
+        (_GhostRole, r"roles \['ghost'\] are declared but never generated"),
+        (_TampersWithPrompts, "prompt ids differ from the group's"),
+    ],
+)
+def test_check_workflow_catches_broken_workflows(workflow, match):
+    with pytest.raises(WorkflowCheckError, match=match):
+        check_workflow(workflow, {})
+
+
+def test_check_workflow_times_out_a_hanging_workflow():
+    with pytest.raises(WorkflowCheckError, match="did not finish within 0.05 s"):
+        check_workflow(_Hangs, {}, seeds=(0,), timeout_s=0.05)
+
+
+def test_check_workflow_rejects_invalid_classes():
+    class NoRoles(Workflow):
+        async def run(self, task):
+            pass
+
+    with pytest.raises(WorkflowCheckError, match="non-empty tuple"):
+        check_workflow(NoRoles, {})
+
+
+# --------------------------------------------------------------------------------------------------
+# The CLI.
+
+
+def test_cli_prints_a_scripted_episode(capsys):
+    assert (
+        cli_main(
+            [
+                "toy-walk-v0",
+                "--llm",
+                "scripted",
+                "--reply",
+                "planner=right",
+                "--reply",
+                "mover=right",
+                "--branching",
+                "2",
+            ]
+        )
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert "turn 1" in out and "committed branch:" in out and "terminated after 2 turns" in out
+    assert "* #0  reward +1.750 (team +1.000; local +0.750)" in out  # turn 1 mover reaches the goal
+
+
+def test_cli_random_and_errors(capsys):
+    assert cli_main(["toy-agree-v0", "--llm", "random", "--seed", "1", "--max-turns", "2"]) == 0
+    assert "episode toy-agree-v0" in capsys.readouterr().out
+    assert cli_main(["nope-v0"]) == 2
+    assert "toy-walk-v0" in capsys.readouterr().err  # lists what exists
+    assert cli_main(["toy-walk-v0", "--llm", "scripted"]) == 2
+    assert "--reply" in capsys.readouterr().err
+    assert cli_main(["--list"]) == 0
+    assert "toy-agree-v0" in capsys.readouterr().out
+
+
+def test_cli_loads_a_saved_tokenizer(tmp_path, capsys):
+    default_tokenizer().save_pretrained(tmp_path)
+    argv = ["toy-walk-v0", "--tokenizer", str(tmp_path), "--task", '{"start": 0, "goal": -1}', "--llm", "scripted"]
+    assert cli_main([*argv, "--reply", "planner=left", "--reply", "mover=left", "--branching", "1"]) == 0
+    assert "terminated after 1 turns" in capsys.readouterr().out

@@ -1,0 +1,40 @@
+"""The exception types of the workflow API: who is at fault decides how a failure is handled.
+
+- :class:`WorkflowError`: a bug in workflow code (or a broken contract such as an unrewarded
+  candidate). It stops the episode and names the workflow, role and turn.
+- :class:`InfraError`: the serving infrastructure failed (server error, dead replica, timeout). The
+  affected candidates are kept in the record as *not trainable* and counted; they are never trained on
+  with a made-up reward.
+- :class:`LLMClientError`: an :class:`~verl_mas.client.LLMClient` broke its contract (wrong number of
+  samples, log-probs that do not match the tokens). A bug in the client, raised as is.
+
+A model mistake (unparsable output, failing code) is none of these: it is a reward decision.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+__all__ = ["INFRA_EXCEPTIONS", "InfraError", "LLMClientError", "WorkflowError"]
+
+
+class WorkflowError(RuntimeError):
+    """Workflow code raised, or broke the workflow contract; the message names workflow, role and turn."""
+
+
+class InfraError(RuntimeError):
+    """The LLM serving infrastructure failed for a request (server error, lost replica, timeout).
+
+    Clients raise it (or return a :class:`~verl_mas.client.Sample` with ``error`` set) so that the
+    engine marks the affected candidates as not trainable instead of crashing or training on them.
+    """
+
+
+class LLMClientError(RuntimeError):
+    """An LLM client returned something that violates the :class:`~verl_mas.client.LLMClient` contract."""
+
+
+#: Exceptions from an LLM client that count as infrastructure failures. Anything else a client raises
+#: is a bug and propagates (wrapped in :class:`LLMClientError`). ``asyncio.TimeoutError`` is listed
+#: separately because it is not the builtin ``TimeoutError`` on Python 3.10.
+INFRA_EXCEPTIONS: tuple[type[BaseException], ...] = (InfraError, TimeoutError, asyncio.TimeoutError, ConnectionError)

@@ -1,0 +1,15 @@
+"""Workflows shipped with verl_mas, resolved lazily by id (importing this package imports none of them).
+
+Add a built-in workflow by decorating its class with ``@register_workflow("name-v0")`` in a module of
+this package and adding ``"name-v0": "verl_mas.workflows.<module>:<Class>"`` to the table below.
+"""
+
+from __future__ import annotations
+
+__all__ = ["BUILTIN_WORKFLOWS"]
+
+#: Built-in workflow ids and where their classes live ("module:Class"), imported on first lookup.
+BUILTIN_WORKFLOWS: dict[str, str] = {
+    "toy-walk-v0": "verl_mas.workflows.toy:WalkWorkflow",
+    "toy-agree-v0": "verl_mas.workflows.toy:AgreeWorkflow",
+}
