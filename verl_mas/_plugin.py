@@ -17,7 +17,7 @@ import logging
 logger = logging.getLogger("verl_mas")
 
 #: The names registered in verl's registries, for diagnostics and tests.
-REGISTERED: dict[str, list[str]] = {"platform": [], "rollout": [], "adv_estimator": []}
+REGISTERED: dict[str, list[str]] = {"platform": [], "rollout": [], "adv_estimator": [], "agent_loop": [], "trainer": []}
 LOADED = False
 
 
@@ -44,6 +44,18 @@ def _register() -> None:
 
     at_grpo.register()
     REGISTERED["adv_estimator"] = [at_grpo.ESTIMATOR_NAME]
+
+    # The agent loop that runs workflow episodes (rows with agent_name "mas"). verl instantiates it from
+    # its dotted path, so the module is imported only in the agent-loop workers that use it.
+    from verl.experimental.agent_loop.agent_loop import _agent_loop_registry
+
+    _agent_loop_registry["mas"] = {"_target_": "verl_mas.agent_loop.MasAgentLoop"}
+    REGISTERED["agent_loop"] = ["mas"]
+
+    # The trainer mode (trainer.v1.trainer_mode=mas).
+    from verl_mas import trainer
+
+    REGISTERED["trainer"] = [trainer.TRAINER_MODE]
 
 
 try:

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# AT-GRPO on CPU through verl's main_ppo (see at_grpo_cpu.yaml).
+# Usage: [WORKFLOW=toy-walk-v0] bash recipes/at_grpo_cpu/run.sh [hydra overrides...]
+# Outputs go to $VERL_MAS_RUN_DIR (default: ./runs/at_grpo_cpu): model, data, metrics.jsonl, hydra logs.
+set -euo pipefail
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+PYTHON="${PYTHON:-python}"
+WORKFLOW="${WORKFLOW:-toy-walk-v0}"
+RUN_DIR="$(mkdir -p "${VERL_MAS_RUN_DIR:-runs/at_grpo_cpu}" && cd "${VERL_MAS_RUN_DIR:-runs/at_grpo_cpu}" && pwd)"
+
+[ -f "$RUN_DIR/model/config.json" ] || "$PYTHON" -m verl_mas.tiny --out "$RUN_DIR/model"
+[ -f "$RUN_DIR/data/train.parquet" ] || "$PYTHON" -m verl_mas.data "$WORKFLOW" --out "$RUN_DIR/data" --train 64 --test 16 --seed 0
+
+export VERL_PLATFORM=cpu
+export VERL_FILE_LOGGER_PATH="$RUN_DIR/metrics.jsonl"
+"$PYTHON" -m verl.trainer.main_ppo --config-path "$HERE" --config-name at_grpo_cpu \
+  actor_rollout_ref.model.path="$RUN_DIR/model" \
+  data.train_files="$RUN_DIR/data/train.parquet" data.val_files="$RUN_DIR/data/test.parquet" \
+  hydra.run.dir="$RUN_DIR/hydra" \
+  "$@"

@@ -1,0 +1,190 @@
+"""The verl agent loop ``mas``: runs one workflow episode per dataset row and returns one output per candidate.
+
+verl's AgentLoopWorker instantiates this class for rows whose ``agent_name`` is ``"mas"`` (rows written by
+``python -m verl_mas.data``). Each run:
+
+1. reads the workflow id and the task from the row's ``extra_info`` (``workflow``, ``task`` as JSON);
+2. runs the episode engine (:func:`verl_mas.run_episode`) with a client that sends every request to
+   verl's LLM server client, token ids in and out, K concurrent single-sample requests per group, one
+   sticky request id per (episode, role);
+3. returns one :class:`AgentLoopOutput` per *trainable* candidate (infrastructure failures are dropped,
+   never trained on), with the sampled ids, their rollout log-probs, and explicit ``mas_*`` fields for
+   role, turn, group key, rewards, flags and a prompt hash that the ``mas`` trainer checks.
+
+verl copies the last output's ``reward_score`` onto the earlier outputs of a run, so each candidate's own
+reward travels in ``extra_fields["mas_reward"]``; the ``mas`` trainer rebuilds the token-level scores
+from it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopMetrics, AgentLoopOutput
+
+from verl_mas.client import GenerateRequest, Sample, fan_out
+from verl_mas.config import MasConfig
+from verl_mas.engine import run_episode
+from verl_mas.episode import Candidate, Episode
+from verl_mas.errors import InfraError
+
+logger = logging.getLogger(__name__)
+
+#: ``agent_name`` of the rows this loop serves.
+AGENT_NAME = "mas"
+
+
+def prompt_hash(prompt_ids: list[int]) -> int:
+    """A 63-bit hash of a prompt's token ids (the trainer compares them within each group)."""
+    digest = hashlib.blake2b(json.dumps(prompt_ids).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+def episode_seed(uid: str, session_id: int) -> int:
+    digest = hashlib.blake2b(f"{uid}|{session_id}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 31) - 1)
+
+
+class VerlServerClient:
+    """:class:`verl_mas.LLMClient` over verl's LLM server client (``server_manager`` of an agent loop).
+
+    verl's servers take one sample per request, so a group of K is K concurrent requests of the same
+    prompt ids. Ray and server failures are infrastructure failures: the candidate is dropped.
+    """
+
+    def __init__(self, server_manager: Any, sampling_params: Mapping[str, Any]) -> None:
+        self.server_manager = server_manager
+        self.sampling_params = dict(sampling_params)
+
+    async def generate(self, request: GenerateRequest) -> list[Sample]:
+        import ray
+
+        async def one(i: int) -> Sample:
+            try:
+                out = await self.server_manager.generate(
+                    request_id=request.session_id,
+                    prompt_ids=list(request.prompt_ids),
+                    sampling_params=dict(self.sampling_params),
+                )
+            except ray.exceptions.RayError as exc:
+                raise InfraError(f"rollout server failed for group {request.group_key}: {exc}") from exc
+            if out.stop_reason == "aborted":
+                return Sample.failed("the rollout server aborted the request")
+            return Sample(
+                token_ids=list(out.token_ids),
+                logprobs=list(out.log_probs) if out.log_probs is not None else None,
+                stop_reason=out.stop_reason,
+                extra=dict(out.extra_fields or {}),
+            )
+
+        return await fan_out(request.n, one)
+
+
+class MasAgentLoop(AgentLoopBase):
+    """verl agent loop running a verl_mas workflow episode (registered as ``mas``)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.mas_config = MasConfig.from_verl_config(self.config)
+        self.response_length = int(self.rollout_config.response_length)
+
+    async def run(self, sampling_params: dict[str, Any], **kwargs: Any) -> list[AgentLoopOutput]:
+        workflow_id, task = self._workflow_and_task(kwargs)
+        uid = str(kwargs["uid"])
+        session_id = int(kwargs.get("session_id", 0))
+        if not sampling_params.get("logprobs"):
+            raise ValueError(
+                "The mas agent loop trains on the rollout log-probs of every candidate, but the rollout does not "
+                "return them. Set actor_rollout_ref.rollout.calculate_log_probs=True."
+            )
+        client = VerlServerClient(self.server_manager, sampling_params)
+        episode = await run_episode(
+            workflow_id,
+            task,
+            client=client,
+            tokenizer=self.tokenizer,
+            config=self.mas_config.episode_config,
+            seed=episode_seed(uid, session_id),
+            task_uid=uid,
+        )
+        if episode.aborted:
+            logger.warning("episode of %s for row %s aborted: %s", workflow_id, uid, episode.error)
+        return self._outputs(episode, workflow_id)
+
+    def _workflow_and_task(self, row: Mapping[str, Any]) -> tuple[str, Any]:
+        extra = row.get("extra_info") or {}
+        workflow_id = extra.get("workflow") or self.mas_config.workflow
+        if not workflow_id:
+            raise ValueError(
+                f"Dataset row {row.get('index')!r} names no workflow: extra_info has no 'workflow' and mas.workflow "
+                "is unset. Write the data with `python -m verl_mas.data <workflow-id> ...` or set mas.workflow."
+            )
+        if "task" not in extra:
+            raise ValueError(
+                f"Dataset row {row.get('index')!r} has no extra_info.task (the task payload as JSON). Write the "
+                "data with `python -m verl_mas.data <workflow-id> ...`."
+            )
+        task = extra["task"]
+        return str(workflow_id), json.loads(task) if isinstance(task, str) else task
+
+    def _outputs(self, episode: Episode, workflow_id: str) -> list[AgentLoopOutput]:
+        trainable = [c for c in episode.candidates if c.trainable]
+        steps = [int(c.extra.get("global_steps", 0) or 0) for c in trainable] or [0]
+        episode_metrics = {k: float(v) for k, v in episode.metrics.items()}
+        outputs = []
+        for i, cand in enumerate(trainable):
+            outputs.append(self._output(cand, i, episode, workflow_id, episode_metrics, min(steps), max(steps)))
+        return outputs
+
+    def _output(
+        self,
+        cand: Candidate,
+        index: int,
+        episode: Episode,
+        workflow_id: str,
+        episode_metrics: dict[str, float],
+        min_steps: int,
+        max_steps: int,
+    ) -> AgentLoopOutput:
+        response = list(cand.response_ids)[: self.response_length]
+        logprobs = list(cand.logprobs)[: self.response_length] if cand.logprobs is not None else None
+        if logprobs is None or len(logprobs) != len(response):
+            raise ValueError(
+                f"Candidate {cand.group_key}#{cand.index} has {0 if logprobs is None else len(logprobs)} rollout "
+                f"log-probs for {len(response)} response tokens. The rollout server must return one log-prob per "
+                "sampled token (actor_rollout_ref.rollout.calculate_log_probs=True)."
+            )
+        reward = float(cand.reward)  # the engine guarantees a finite reward on every trainable candidate
+        extra = {
+            "mas_workflow": workflow_id,
+            "mas_role": cand.role,
+            "mas_turn": int(cand.turn),
+            "mas_group": cand.group_key,
+            "mas_reward": reward,
+            "mas_team_reward": float("nan") if cand.team_reward is None else float(cand.team_reward),
+            "mas_local_reward": float("nan") if cand.local_reward is None else float(cand.local_reward),
+            "mas_committed": bool(cand.committed),
+            "mas_parse_failed": bool(cand.parse_failed),
+            "mas_prompt_hash": prompt_hash(list(cand.prompt_ids)),
+            "mas_episode_index": index,
+            "mas_episode_turns": int(episode.num_turns),
+            "mas_episode_metrics": episode_metrics,
+            "reward_extra_info": {},
+            "global_steps": max_steps,
+            "min_global_steps": min_steps,
+            "max_global_steps": max_steps,
+        }
+        return AgentLoopOutput(
+            prompt_ids=list(cand.prompt_ids),
+            response_ids=response,
+            response_mask=[1] * len(response),
+            response_logprobs=logprobs,
+            reward_score=reward,
+            num_turns=int(episode.num_turns),
+            metrics=AgentLoopMetrics(),
+            extra_fields=extra,
+        )

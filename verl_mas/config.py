@@ -1,0 +1,147 @@
+"""The typed ``mas:`` config block of a verl_mas recipe, validated once with every problem reported together.
+
+A recipe adds this block next to verl's own (``algorithm``, ``actor_rollout_ref``, ...)::
+
+    mas:
+      branching: 4            # K candidates per (task, role, turn)
+      max_turns: 4            # T
+      alpha: 1.0              # reward = alpha * team + local
+      grouping: agent_turn    # agent_turn | agent | trajectory
+      sampling: tree          # tree | parallel
+      roles: {}               # role -> {policy: name}; empty: every role on the "default" policy
+      policies: {default: {}} # one policy (shared model) today; one model per role later
+
+The agent loop (in verl's agent-loop workers) and the ``mas`` trainer (in verl's TaskRunner) both read it
+from verl's config, so both see the same validated values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from verl_mas.episode import EpisodeConfig
+
+__all__ = ["MasConfig", "MasConfigError"]
+
+GROUPINGS = ("agent_turn", "agent", "trajectory")
+SAMPLINGS = ("tree", "parallel")
+SINGLETONS = ("zero", "raw")
+DEFAULT_POLICY = "default"
+
+
+class MasConfigError(ValueError):
+    """The ``mas:`` block is invalid; the message lists every problem with its fix."""
+
+
+@dataclass(frozen=True)
+class MasConfig:
+    """The ``mas:`` block."""
+
+    branching: int = 4
+    """K: candidates sampled from one prompt at every (task, role, turn) (tree sampling)."""
+    max_turns: int = 4
+    """T: the most turns an episode may take; an episode that runs out is truncated."""
+    alpha: float = 1.0
+    """Weight of the team reward in ``reward = alpha * team + local``."""
+    grouping: str = "agent_turn"
+    """Advantage groups: ``agent_turn`` (AT-GRPO: task, role, turn), ``agent`` (task, role) or
+    ``trajectory`` (task: classic GRPO over whole episodes; use with ``sampling: parallel``)."""
+    sampling: str = "tree"
+    """``tree``: K candidates per node, the best committed (AT-GRPO). ``parallel``: K independent episodes
+    from the start state (set ``actor_rollout_ref.rollout.n`` to K; branching is forced to 1)."""
+    tie_break: str = "first"
+    """Which of several best candidates is committed: ``first`` or ``random`` (seeded)."""
+    singleton_advantage: str = "zero"
+    """Advantage of a one-member group: ``zero`` (no baseline, no signal) or ``raw`` (its reward)."""
+    check_group_prompts: bool = True
+    """Check on every batch that all members of a group were sampled from one prompt (raise if not)."""
+    workflow: str | None = None
+    """Workflow id for rows that do not name one (rows from ``python -m verl_mas.data`` always do)."""
+    roles: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    """Per-role settings: ``{role: {policy: <name in policies>}}``. Unlisted roles use ``default``."""
+    policies: Mapping[str, Mapping[str, Any]] = field(default_factory=lambda: {DEFAULT_POLICY: {}})
+    """Models that serve roles. One (``default``, the verl actor) is supported today."""
+    sandbox: Mapping[str, Any] = field(default_factory=dict)
+    """Settings of the code sandbox (see ``verl_mas.sandbox``)."""
+    request_timeout_s: float | None = None
+    """Per-group timeout of a model request (an infrastructure failure, never a training sample)."""
+
+    def __post_init__(self) -> None:
+        problems = self.problems()
+        if problems:
+            raise MasConfigError("Invalid mas: config block:\n  - " + "\n  - ".join(problems))
+
+    def problems(self) -> list[str]:
+        out: list[str] = []
+        if not isinstance(self.branching, int) or self.branching < 1:
+            out.append(f"mas.branching is {self.branching!r}; it must be an integer >= 1 (the paper uses 4).")
+        if not isinstance(self.max_turns, int) or self.max_turns < 1:
+            out.append(f"mas.max_turns is {self.max_turns!r}; it must be an integer >= 1 (the paper uses 4).")
+        for name, value, allowed in (
+            ("grouping", self.grouping, GROUPINGS),
+            ("sampling", self.sampling, SAMPLINGS),
+            ("tie_break", self.tie_break, ("first", "random")),
+            ("singleton_advantage", self.singleton_advantage, SINGLETONS),
+        ):
+            if value not in allowed:
+                out.append(f"mas.{name} is {value!r}; use one of {list(allowed)}.")
+        if self.sampling == "parallel" and self.branching != 1:
+            out.append(
+                f"mas.sampling is 'parallel' but mas.branching is {self.branching}: parallel sampling draws K "
+                "independent episodes (actor_rollout_ref.rollout.n=K) with one candidate per node; set "
+                "mas.branching=1."
+            )
+        if len(self.policies) != 1 or DEFAULT_POLICY not in self.policies:
+            out.append(
+                f"mas.policies is {sorted(self.policies)}; this version trains one shared policy, "
+                f"{DEFAULT_POLICY!r} (verl's actor_rollout_ref). One model per role is not available yet."
+            )
+        for role, settings in self.roles.items():
+            policy = (settings or {}).get("policy", DEFAULT_POLICY)
+            if policy not in self.policies:
+                out.append(
+                    f"mas.roles.{role}.policy is {policy!r}, which is not one of mas.policies {sorted(self.policies)}. "
+                    "Every role must be served by a declared policy; add it under mas.policies or fix the name."
+                )
+        return out
+
+    @property
+    def episode_config(self) -> EpisodeConfig:
+        """The engine's view of this block."""
+        return EpisodeConfig(
+            branching=self.branching,
+            max_turns=self.max_turns,
+            alpha=float(self.alpha),
+            tie_break=self.tie_break,
+            request_timeout_s=self.request_timeout_s,
+        )
+
+    @classmethod
+    def from_mapping(cls, block: Mapping[str, Any] | None) -> MasConfig:
+        """Build from the recipe's ``mas:`` block (a dict or an OmegaConf node); unknown keys are errors."""
+        if block is None:
+            return cls()
+        try:
+            from omegaconf import DictConfig, OmegaConf
+
+            if isinstance(block, DictConfig):
+                block = OmegaConf.to_container(block, resolve=True)  # type: ignore[assignment]
+        except ImportError:  # plain dicts only
+            pass
+        data = dict(block)  # type: ignore[arg-type]
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise MasConfigError(
+                f"Unknown keys in the mas: config block: {unknown}. Known keys: {sorted(known)}. "
+                "Check the spelling (keys are validated so that a typo cannot silently fall back to a default)."
+            )
+        return cls(**data)
+
+    @classmethod
+    def from_verl_config(cls, config: Any) -> MasConfig:
+        """Read ``config.mas`` from verl's full config (absent: defaults)."""
+        block = config.get("mas", None) if hasattr(config, "get") else getattr(config, "mas", None)
+        return cls.from_mapping(block)
