@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import math
 from collections import defaultdict
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -32,7 +33,6 @@ from omegaconf import open_dict
 from tensordict import NonTensorStack, TensorDict
 from verl.trainer.ppo.v1.trainer_base import register_trainer
 from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
-from verl.workers.utils.padding import response_to_nested
 
 from verl_mas.advantage.at_grpo import ESTIMATOR_NAME
 from verl_mas.advantage.groups import group_ids, group_key, group_stats, prompt_mismatches
@@ -113,19 +113,8 @@ class MasTrainer(PPOTrainerSync):
         uids = [str(u) for u in _as_list(data["uid"])]
         response_mask = data["response_mask"]
         padding = np.array([bool(tag.get("is_padding", False)) for tag in batch.tags])
-        roles = [e["mas_role"] for e in extras]
-        turns = np.array([int(e["mas_turn"]) for e in extras], dtype=np.int64)
-        rewards = np.array([float(e["mas_reward"]) for e in extras], dtype=np.float64)
-        if self.mas.grouping == "trajectory":
-            rewards = np.array([_episode_outcome(e) for e in extras], dtype=np.float64)
-
-        keys = [
-            f"padding|{i}" if padding[i] else group_key(uids[i], roles[i], int(turns[i]), self.mas.grouping)
-            for i in range(len(uids))
-        ]
-        ids = group_ids(keys, grouping="trajectory")  # keys are already composite: group by the whole key
-        if self.mas.check_group_prompts and self.mas.sampling == "tree":
-            self._check_prompts(ids, keys, extras)
+        groups = assign_groups(extras, uids, padding, self.mas)
+        keys, ids, rewards, roles, turns = groups.keys, groups.ids, groups.rewards, groups.roles, groups.turns
 
         # Token-level scores: each row's own reward on its last response token.
         lengths = response_mask.offsets().diff().tolist()
@@ -149,22 +138,6 @@ class MasTrainer(PPOTrainerSync):
 
         metrics.update(self._mas_metrics(extras, roles, turns, rewards, ids, padding, uids))
         return batch
-
-    def _check_prompts(self, ids: np.ndarray, keys: list[str], extras: list[dict]) -> None:
-        hashes = [int(e["mas_prompt_hash"]) for e in extras]
-        bad = prompt_mismatches(ids, hashes)
-        if bad:
-            examples = []
-            for gid in bad:
-                rows = np.flatnonzero(ids == gid).tolist()
-                examples.append(f"group {keys[rows[0]]!r}: rows {rows} have prompt hashes {[hashes[r] for r in rows]}")
-            raise GroupPromptMismatchError(
-                "AT-GRPO groups mix different prompts, so their mean reward is not a baseline for any member:\n  "
-                + "\n  ".join(examples)
-                + "\nEvery (task, role, turn) group must hold the K candidates of ONE prompt. This is a bug in how "
-                "group keys were built (or a workflow that generates twice for one role in a turn); "
-                "set mas.check_group_prompts=false only to debug it."
-            )
 
     def _mas_metrics(
         self,
@@ -208,6 +181,63 @@ class MasTrainer(PPOTrainerSync):
             out["mas/success_rate"] = float(np.mean(sums["mas/success"]))
         out["mas/episodes"] = float(len(episodes))
         return out
+
+
+@dataclass(frozen=True)
+class GroupAssignment:
+    """The AT-GRPO group of every row of a batch, and the score each row is normalised with."""
+
+    keys: list[str]
+    ids: np.ndarray  # (bs,) dense int group ids
+    rewards: np.ndarray  # (bs,) float64
+    roles: list[str]
+    turns: np.ndarray  # (bs,) int64
+
+
+def assign_groups(extras: list[dict], uids: list[str], padding: np.ndarray, mas: MasConfig) -> GroupAssignment:
+    """Group rows by (task uid, role, turn) per ``mas.grouping`` and check one prompt per group.
+
+    Args:
+        extras: Each row's ``extra_fields`` as the ``mas`` agent loop wrote them.
+        uids: Each row's verl uid (the dataset row, i.e. the task).
+        padding: ``(bs,)`` True for rows verl added as padding; each becomes its own (singleton) group.
+        mas: The ``mas:`` block.
+
+    Raises:
+        GroupPromptMismatchError: A group holds rows sampled from different prompts (tree sampling).
+    """
+    roles = [e["mas_role"] for e in extras]
+    turns = np.array([int(e["mas_turn"]) for e in extras], dtype=np.int64)
+    if mas.grouping == "trajectory":
+        rewards = np.array([_episode_outcome(e) for e in extras], dtype=np.float64)
+    else:
+        rewards = np.array([float(e["mas_reward"]) for e in extras], dtype=np.float64)
+    keys = [
+        f"padding|{i}" if padding[i] else group_key(uids[i], roles[i], int(turns[i]), mas.grouping)
+        for i in range(len(uids))
+    ]
+    ids = group_ids(keys, grouping="trajectory")  # keys are already composite: group by the whole key
+    if mas.check_group_prompts and mas.sampling == "tree":
+        check_group_prompts(ids, keys, [int(e["mas_prompt_hash"]) for e in extras])
+    return GroupAssignment(keys, ids, rewards, roles, turns)
+
+
+def check_group_prompts(ids: np.ndarray, keys: list[str], hashes: list[int]) -> None:
+    """Raise :class:`GroupPromptMismatchError` naming the groups whose rows have different prompt hashes."""
+    bad = prompt_mismatches(ids, hashes)
+    if not bad:
+        return
+    examples = []
+    for gid in bad:
+        rows = np.flatnonzero(ids == gid).tolist()
+        examples.append(f"group {keys[rows[0]]!r}: rows {rows} have prompt hashes {[hashes[r] for r in rows]}")
+    raise GroupPromptMismatchError(
+        "AT-GRPO groups mix different prompts, so their mean reward is not a baseline for any member:\n  "
+        + "\n  ".join(examples)
+        + "\nEvery (task, role, turn) group must hold the K candidates of ONE prompt. This is a bug in how "
+        "group keys were built (or a workflow that generates twice for one role in a turn); "
+        "set mas.check_group_prompts=false only to debug it."
+    )
 
 
 def _as_list(values: Any) -> list:

@@ -1,0 +1,147 @@
+"""The mas agent loop and the trainer's grouping, on real episodes sampled from the tiny model.
+
+The agent loop is verl's class instantiated as verl does (trainer config, tokenizer, a server client); the
+server is the hf backend's real generation engine behind verl's ``TokenOutput`` contract, in process.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from verl_mas.backends.hf_rollout import HFGenerationEngine, settings_from_verl
+from verl_mas.config import MasConfig, MasConfigError
+
+
+class EngineServerClient:
+    """verl's LLM server client contract (``generate(request_id, prompt_ids=, sampling_params=)``) over the engine."""
+
+    def __init__(self, engine: HFGenerationEngine) -> None:
+        self.engine = engine
+        self.calls = 0
+
+    async def generate(self, request_id: str, *, prompt_ids: list[int], sampling_params: dict, **kwargs):
+        from verl.workers.rollout.replica import TokenOutput
+
+        self.calls += 1
+        settings = settings_from_verl(
+            sampling_params, prompt_len=len(prompt_ids), response_length=6, prompt_length=512, max_model_len=600
+        )
+        result = await self.engine.generate(prompt_ids, settings)
+        return TokenOutput(token_ids=result.token_ids, log_probs=result.log_probs, stop_reason="completed",
+                           extra_fields={"global_steps": 3})
+
+
+def _make_loop(tiny_model_dir: Path, mas_block: dict):
+    from omegaconf import OmegaConf
+    from transformers import AutoTokenizer
+    from verl.experimental.agent_loop.agent_loop import DictConfigWrap
+
+    from verl_mas.agent_loop import MasAgentLoop
+
+    config = OmegaConf.create(
+        {
+            "actor_rollout_ref": {"rollout": {"response_length": 6, "prompt_length": 512}},
+            "data": {"apply_chat_template_kwargs": {}},
+            "mas": mas_block,
+        }
+    )
+    engine = HFGenerationEngine.from_pretrained(str(tiny_model_dir), seed=0)
+    client = EngineServerClient(engine)
+    loop = MasAgentLoop(
+        trainer_config=DictConfigWrap(config),
+        server_manager=client,
+        tokenizer=AutoTokenizer.from_pretrained(tiny_model_dir),
+        processor=None,
+        dataset_cls=None,
+        data_config=DictConfigWrap(config.data),
+    )
+    return loop, client, engine
+
+
+SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "repetition_penalty": 1.0, "logprobs": True}
+
+
+def _row(uid: str, task: dict) -> dict:
+    return {"uid": uid, "session_id": 0, "index": 0,
+            "extra_info": {"workflow": "toy-walk-v0", "task": json.dumps(task), "index": 0, "split": "train"}}
+
+
+async def test_one_output_per_candidate_with_consistent_masks_logprobs_and_groups(tiny_model_dir: Path) -> None:
+    loop, client, engine = _make_loop(tiny_model_dir, {"branching": 3, "max_turns": 2})
+    outputs = await loop.run(dict(SAMPLING), **_row("taskA", {"start": 0, "goal": 5}))
+    # goal 5 is unreachable in 2 turns: 2 turns x 2 roles x K=3 = 12 candidates, 12 requests, 12 outputs.
+    assert client.calls == 12 and len(outputs) == 12
+    groups: dict[str, list] = {}
+    for out in outputs:
+        extra = out.extra_fields
+        assert len(out.response_ids) == len(out.response_mask) == len(out.response_logprobs) <= 6
+        assert set(out.response_mask) == {1}
+        assert extra["mas_group"] == f"taskA|{extra['mas_role']}|{extra['mas_turn']}"
+        assert extra["mas_reward"] == out.reward_score
+        assert extra["min_global_steps"] == extra["max_global_steps"] == 3
+        groups.setdefault(extra["mas_group"], []).append(out)
+    assert sorted(groups) == ["taskA|mover|0", "taskA|mover|1", "taskA|planner|0", "taskA|planner|1"]
+    for members in groups.values():
+        assert len(members) == 3
+        # one prompt per group, by construction and by hash
+        assert all(m.prompt_ids == members[0].prompt_ids for m in members)
+        assert len({m.extra_fields["mas_prompt_hash"] for m in members}) == 1
+        assert sum(m.extra_fields["mas_committed"] for m in members) == 1
+    # The rollout log-probs are the sampled tokens' log-probs under the model (one full forward pass).
+    out = outputs[0]
+    ids = torch.tensor([out.prompt_ids + out.response_ids])
+    with torch.no_grad():
+        logits = engine.model(input_ids=ids).logits[0]
+    n = len(out.prompt_ids)
+    ref = torch.log_softmax(logits[n - 1 : n - 1 + len(out.response_ids)], -1).gather(
+        1, torch.tensor(out.response_ids)[:, None])[:, 0]
+    assert torch.allclose(torch.tensor(out.response_logprobs), ref, atol=1e-5)
+    # Every output carries the same field names (verl's multi-output schema comes from the first one).
+    assert len({tuple(sorted(o.extra_fields)) for o in outputs}) == 1
+
+
+async def test_grouping_passes_on_real_rows_and_a_broken_key_is_caught(tiny_model_dir: Path) -> None:
+    from verl_mas.trainer import GroupPromptMismatchError, assign_groups, check_group_prompts
+
+    loop, _, _ = _make_loop(tiny_model_dir, {"branching": 2, "max_turns": 2})
+    rows = []
+    for uid, task in (("t1", {"start": 0, "goal": 3}), ("t2", {"start": 1, "goal": -3})):
+        for out in await loop.run(dict(SAMPLING), **_row(uid, task)):
+            rows.append((uid, out.extra_fields))
+    random.Random(0).shuffle(rows)  # batches interleave tasks, roles and turns
+    uids = [u for u, _ in rows]
+    extras = [e for _, e in rows]
+    mas = MasConfig(branching=2, max_turns=2)
+    groups = assign_groups(extras, uids, np.zeros(len(rows), dtype=bool), mas)
+    # 2 tasks x 2 turns x 2 roles = 8 groups of K=2 (both goals are out of reach in 2 turns).
+    assert len(set(groups.ids.tolist())) == 8
+    assert np.bincount(groups.ids).tolist() == [2] * 8
+    # Negative control: the reference implementation's index arithmetic (row // K) on a shuffled batch
+    # puts rows of different prompts together; the check names the groups.
+    broken_ids = np.arange(len(rows)) // 2
+    with pytest.raises(GroupPromptMismatchError, match="mix different prompts"):
+        check_group_prompts(broken_ids, groups.keys, [e["mas_prompt_hash"] for e in extras])
+    # Padding rows never join a real group.
+    padding = np.zeros(len(rows), dtype=bool)
+    padding[0] = True
+    padded = assign_groups(extras, uids, padding, mas)
+    assert np.sum(padded.ids == padded.ids[0]) == 1
+
+
+def test_mas_config_reports_every_problem_and_unknown_keys() -> None:
+    with pytest.raises(MasConfigError) as err:
+        MasConfig(branching=0, max_turns=-1, grouping="turn", sampling="parallel", roles={"tester": {"policy": "coder"}})
+    message = str(err.value)
+    for expected in ("mas.branching is 0", "mas.max_turns is -1", "mas.grouping is 'turn'",
+                     "mas.roles.tester.policy is 'coder'", "set mas.branching=1"):
+        assert expected in message, expected
+    with pytest.raises(MasConfigError, match=r"Unknown keys in the mas: config block: \['brnaching'\]"):
+        MasConfig.from_mapping({"brnaching": 4})
+    cfg = MasConfig.from_mapping({"branching": 2, "alpha": 0.5})
+    assert (cfg.episode_config.branching, cfg.episode_config.alpha) == (2, 0.5)
