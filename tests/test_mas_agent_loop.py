@@ -145,3 +145,10 @@ def test_mas_config_reports_every_problem_and_unknown_keys() -> None:
         MasConfig.from_mapping({"brnaching": 4})
     cfg = MasConfig.from_mapping({"branching": 2, "alpha": 0.5})
     assert (cfg.episode_config.branching, cfg.episode_config.alpha) == (2, 0.5)
+
+
+def test_mas_config_validates_the_sandbox_block_with_the_rest() -> None:
+    with pytest.raises(MasConfigError) as err:
+        MasConfig(branching=0, sandbox={"timeout_s": 2, "bogus": 1})
+    assert "mas.branching is 0" in str(err.value) and "unknown key(s) ['bogus']" in str(err.value)
+    assert MasConfig(sandbox={"timeout_s": 2}).sandbox == {"timeout_s": 2}

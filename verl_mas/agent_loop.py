@@ -90,6 +90,11 @@ class MasAgentLoop(AgentLoopBase):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.mas_config = MasConfig.from_verl_config(self.config)
+        if self.mas_config.sandbox:
+            # Workflows run model-written code through verl_mas.sandbox.run_python(): configure it from mas.sandbox.
+            from verl_mas import sandbox
+
+            sandbox.configure(self.mas_config.sandbox)
         self.response_length = int(self.rollout_config.response_length)
 
     async def run(self, sampling_params: dict[str, Any], **kwargs: Any) -> list[AgentLoopOutput]:

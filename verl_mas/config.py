@@ -105,6 +105,13 @@ class MasConfig:
                     f"mas.roles.{role}.policy is {policy!r}, which is not one of mas.policies {sorted(self.policies)}. "
                     "Every role must be served by a declared policy; add it under mas.policies or fix the name."
                 )
+        if self.sandbox:
+            from verl_mas.sandbox import SandboxConfig
+
+            try:
+                SandboxConfig.from_dict(dict(self.sandbox))
+            except ValueError as exc:  # reported with the other problems, not swallowed
+                out.append(f"mas.sandbox: {exc}")
         return out
 
     @property
