@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -18,3 +19,20 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from verl_mas.tiny import write_tiny
 
     return write_tiny(tmp_path_factory.mktemp("tiny") / "model")
+
+
+# ---- figures: tests print measured numbers as "[topic] ..." lines; the summary repeats them ----------
+_FIGURE = re.compile(r"^\[[a-z0-9][a-z0-9-]*\] ")
+_figures: list[str] = []
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if report.when == "call" and report.passed:
+        _figures.extend(line for line in report.capstdout.splitlines() if _FIGURE.match(line))
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if _figures:
+        terminalreporter.section("figures measured by the tests")
+        for line in _figures:
+            terminalreporter.write_line(line)

@@ -50,7 +50,7 @@ def test_sampled_logprobs_match_a_full_forward_pass_at_the_sampling_temperature(
         assert len(result.token_ids) == len(result.log_probs) == 12
         ref = _reference_logprobs(engine.model, prompt, result.token_ids, temperature=0.7)
         worst = max(worst, max(abs(a - b) for a, b in zip(result.log_probs, ref)))
-    print(f"\nhf rollout: max |log-prob(KV-cached sampling) - log-prob(full forward)| = {worst:.2e}")
+    print(f"\n[hf-rollout] max |log-prob(KV-cached sampling) - log-prob(full forward)| = {worst:.2e}")
     assert worst < 1e-5
     # Negative control: the same log-probs are NOT the temperature-1 ones, so the check above can fail.
     result = engine.generate_sync(PROMPTS[0], settings)

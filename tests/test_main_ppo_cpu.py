@@ -49,11 +49,11 @@ def run_recipe(run_dir: Path, *overrides: str, **env: str) -> tuple[subprocess.C
     return proc, metrics
 
 
-def _show(metrics: list[dict]) -> None:
+def _show(metrics: list[dict], topic: str) -> None:
     for m in metrics:
         d = m["data"]
         print(
-            f"  step {m['step']}: rollout_probs_diff_mean={d['training/rollout_probs_diff_mean']:.2e} "
+            f"[{topic}] step {m['step']}: rollout_probs_diff_mean={d['training/rollout_probs_diff_mean']:.2e} "
             f"grad_norm={d['actor/grad_norm']:.3f} score={d['critic/score/mean']:.3f} step_s={d['timing_s/step']:.1f}"
         )
 
@@ -62,8 +62,8 @@ def _show(metrics: list[dict]) -> None:
 def test_grpo_main_ppo_trains_on_cpu_with_synced_rollout(tmp_path: Path) -> None:
     proc, metrics = run_recipe(tmp_path / "synced")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    print("\nmain_ppo GRPO on CPU, weight sync on:")
-    _show(metrics)
+    print()
+    _show(metrics, "main-ppo-grpo-synced")
     assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))
     for m in metrics:
         assert m["data"]["actor/grad_norm"] > 0
@@ -80,8 +80,8 @@ def test_broken_weight_sync_is_detected(tmp_path: Path) -> None:
     # Negative control: the same run with the rollout ignoring weight updates must fail the check.
     proc, metrics = run_recipe(tmp_path / "frozen", VERL_MAS_HF_ROLLOUT_FREEZE_WEIGHTS="1")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    print("\nmain_ppo GRPO on CPU, rollout weights frozen (negative control):")
-    _show(metrics)
+    print()
+    _show(metrics, "main-ppo-grpo-frozen-rollout")
     problems = rollout_sync_problems(metrics)
     # Step 1 samples before any update, so actor and rollout still agree; every later step must be flagged.
     assert [p.split(":")[0] for p in problems] == [f"step {s}" for s in range(2, STEPS + 1)], problems

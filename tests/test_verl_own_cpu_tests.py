@@ -62,7 +62,7 @@ def test_verls_cpu_tests_pass_with_verl_mas_installed(tmp_path: Path) -> None:
         timeout=1800,
     )
     summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
-    print(f"\nverl's own CPU tests with verl_mas installed: {summary}")
+    print(f"\n[verl-own-cpu-tests] with verl_mas installed: {summary}")
     assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-2000:]
     # The plugin really was active in that run (not silently skipped).
     probe = subprocess.run(
