@@ -73,6 +73,8 @@ class Workflow:
         roles: The roles this workflow prompts, in acting order, e.g. ``("tool", "planner")``.
         workflow_id: Set by :func:`verl_mas.register_workflow`.
         example_task: Optional task used by ``python -m verl_mas.run`` and ``check_workflow`` defaults.
+
+    Optional class hook: :meth:`generate_task` draws dataset tasks for ``python -m verl_mas.data``.
     """
 
     roles: ClassVar[tuple[str, ...]] = ()
@@ -84,6 +86,27 @@ class Workflow:
     async def run(self, task: Any) -> None:
         """Play one episode of ``task``: generate, reward every candidate, commit, continue."""
         raise NotImplementedError(f"{type(self).__name__} must implement `async def run(self, task)`")
+
+    @classmethod
+    def generate_task(cls, rng: random.Random, split: str) -> dict[str, Any]:
+        """Draw one task for a dataset; optional, used by ``python -m verl_mas.data``.
+
+        Override it to let the data CLI write train/test parquet files for this workflow. Use only
+        ``rng`` (seeded by the CLI) so datasets are reproducible. The CLI deduplicates tasks by their
+        canonical JSON and keeps the test tasks out of the training set, so returning a task twice is fine.
+
+        Args:
+            rng: The random generator to draw with.
+            split: ``"train"`` or ``"test"``, for workflows that draw the splits from different pools.
+
+        Returns:
+            A JSON-serialisable dict (str keys; str, int, float, bool, None, list and dict values), the
+            payload later handed to :meth:`run`.
+        """
+        raise NotImplementedError(
+            f"{cls.__qualname__} does not implement `generate_task`, so no dataset can be generated for it. "
+            "Define `@classmethod def generate_task(cls, rng, split) -> dict` returning one JSON task."
+        )
 
     # ----------------------------------------------------------------------------------------------
     # Engine-provided API.

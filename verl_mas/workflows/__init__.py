@@ -12,4 +12,5 @@ __all__ = ["BUILTIN_WORKFLOWS"]
 BUILTIN_WORKFLOWS: dict[str, str] = {
     "toy-walk-v0": "verl_mas.workflows.toy:WalkWorkflow",
     "toy-agree-v0": "verl_mas.workflows.toy:AgreeWorkflow",
+    "relay-v0": "verl_mas.workflows.relay:RelayWorkflow",
 }

@@ -1,0 +1,212 @@
+"""Learnability diagnostic of ``relay-v0``: AT-GRPO on the tiny model, in-process, without verl.
+
+It approximates what the verl quickstart does: the tiny Qwen2 model (2 layers, hidden 64) with the
+tokenizer tailored to ``RelayWorkflow.vocabulary``, episodes run by the real engine (tree sampling, K
+candidates per (task, role, turn), commit the best), group-normalised advantages per group key, and a
+PPO-clip policy-gradient update (token-mean) on every trainable candidate. Sampling is plain
+temperature-1 sampling from the same model whose log-probs are trained (on-policy).
+
+Prints, per step, the team success rate of the training episodes (what verl reports as
+``mas/success_rate``), the mean reward per role and the wall time; every ``--eval-every`` steps, the
+success of single-sample (K = 1) episodes on the test tasks, where no best-of-K selection helps.
+
+Usage::
+
+    python bench/bench_relay_learnability.py [--steps 150 --batch 16 --k 4 --lr 3e-3 --seed 0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import statistics
+import tempfile
+import time
+from collections import defaultdict
+from typing import Any
+
+import torch
+
+from verl_mas import EpisodeConfig, Sample, run_episode
+from verl_mas.data import read_tasks, write_dataset
+from verl_mas.tiny import build_model, build_tokenizer
+from verl_mas.workflows.relay import RelayWorkflow
+
+
+class TorchSampler:
+    """An ``LLMClient`` sampling K responses of one prompt from a torch causal LM (temperature 1)."""
+
+    def __init__(self, model: Any, tokenizer: Any, max_new_tokens: int, generator: torch.Generator) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.max_new_tokens = max_new_tokens
+        self.generator = generator
+
+    @torch.no_grad()
+    def _sample(self, prompt_ids: list[int], n: int) -> list[Sample]:
+        ids = torch.tensor([prompt_ids] * n)
+        eos = self.tokenizer.eos_token_id
+        out: list[list[int]] = [[] for _ in range(n)]
+        lps: list[list[float]] = [[] for _ in range(n)]
+        done = [False] * n
+        past = None
+        step_ids = ids
+        for _ in range(self.max_new_tokens):
+            res = self.model(input_ids=step_ids, past_key_values=past, use_cache=True)
+            past = res.past_key_values
+            logp = torch.log_softmax(res.logits[:, -1].float(), dim=-1)
+            tok = torch.multinomial(logp.exp(), 1, generator=self.generator)  # (n, 1)
+            for i in range(n):
+                if not done[i]:
+                    t = int(tok[i, 0])
+                    out[i].append(t)
+                    lps[i].append(float(logp[i, t]))
+                    done[i] = t == eos
+            if all(done):
+                break
+            step_ids = tok
+        return [Sample(token_ids=o, logprobs=lp, stop_reason="completed") for o, lp in zip(out, lps, strict=True)]
+
+    async def generate(self, request: Any) -> list[Sample]:
+        return self._sample(list(request.prompt_ids), request.n)
+
+
+async def play(
+    tasks: list[dict[str, Any]], client: TorchSampler, tokenizer: Any, config: EpisodeConfig, seed: int
+) -> list[Any]:
+    return list(
+        await asyncio.gather(
+            *(
+                run_episode(RelayWorkflow, task, client=client, tokenizer=tokenizer, config=config,
+                            seed=seed * 1000 + i, task_uid=f"s{seed}t{i}")
+                for i, task in enumerate(tasks)
+            )
+        )
+    )
+
+
+def advantages(candidates: list[Any], eps: float = 1e-6) -> list[float]:
+    """GRPO advantages normalised within each group key (at-grpo.md Eq. 1; unbiased std, as verl)."""
+    groups: dict[str, list[float]] = defaultdict(list)
+    for c in candidates:
+        groups[c.group_key].append(c.reward)
+    stats = {
+        k: (statistics.fmean(v), statistics.stdev(v) if len(v) > 1 else 0.0) for k, v in groups.items()
+    }
+    return [(c.reward - stats[c.group_key][0]) / (stats[c.group_key][1] + eps) for c in candidates]
+
+
+def update(model: Any, optim: torch.optim.Optimizer, candidates: list[Any], adv: list[float], pad_id: int,
+           minibatches: int, clip: float = 0.2) -> float:
+    """PPO-clip update (token-mean loss) on all candidates, split into ``minibatches`` optimiser steps."""
+    order = list(range(len(candidates)))
+    random.shuffle(order)
+    losses = []
+    for mb in range(minibatches):
+        idx = order[mb::minibatches]
+        seqs = [list(candidates[i].prompt_ids) + list(candidates[i].response_ids) for i in idx]
+        width = max(map(len, seqs))
+        input_ids = torch.full((len(idx), width), pad_id)  # (b, width), right padded
+        attn = torch.zeros((len(idx), width), dtype=torch.long)
+        resp_mask = torch.zeros((len(idx), width))
+        old = torch.zeros((len(idx), width))
+        a = torch.zeros((len(idx), 1))
+        for row, (i, s) in enumerate(zip(idx, seqs, strict=True)):
+            c = candidates[i]
+            p, r = len(c.prompt_ids), len(c.response_ids)
+            input_ids[row, : len(s)] = torch.tensor(s)
+            attn[row, : len(s)] = 1
+            resp_mask[row, p : p + r] = 1  # position t holds token t: predicted from logits at t - 1
+            old[row, p : p + r] = torch.tensor(c.logprobs)
+            a[row, 0] = adv[i]
+        logits = model(input_ids=input_ids, attention_mask=attn).logits[:, :-1].float()  # (b, width - 1, V)
+        logp = torch.log_softmax(logits, -1).gather(-1, input_ids[:, 1:, None])[..., 0]  # (b, width - 1)
+        mask, old = resp_mask[:, 1:], old[:, 1:]
+        ratio = torch.exp(logp - old)
+        surrogate = torch.minimum(ratio * a, torch.clamp(ratio, 1 - clip, 1 + clip) * a)
+        loss = -(surrogate * mask).sum() / mask.sum()
+        optim.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optim.step()
+        losses.append(float(loss.detach()))
+    return statistics.fmean(losses)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--batch", type=int, default=16, help="tasks per step")
+    parser.add_argument("--k", type=int, default=4, help="candidates per group")
+    parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--minibatches", type=int, default=2, help="PPO mini-batches per step")
+    parser.add_argument("--max-new-tokens", type=int, default=3)
+    parser.add_argument("--eval-every", type=int, default=10)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (1 is fastest for this model size)")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    random.seed(args.seed)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        train_path, test_path = write_dataset("relay-v0", tmp, train=64, test=16, seed=args.seed)
+        train_tasks, test_tasks = read_tasks(train_path), read_tasks(test_path)
+    tokenizer = build_tokenizer(vocab=RelayWorkflow.vocabulary)
+    model = build_model(tokenizer, seed=args.seed)
+    optim = torch.optim.Adam(model.parameters(), lr=args.lr)
+    gen = torch.Generator().manual_seed(args.seed)
+    client = TorchSampler(model, tokenizer, args.max_new_tokens, gen)
+    config = EpisodeConfig(branching=args.k, max_turns=args.turns)
+    eval_config = EpisodeConfig(branching=1, max_turns=args.turns)
+    print(f"vocab {len(tokenizer)} tokens, {sum(p.numel() for p in model.parameters())} parameters, "
+          f"K={args.k} T={args.turns} batch={args.batch} lr={args.lr}")
+
+    def evaluate(step: int) -> None:
+        model.eval()
+        eps = asyncio.run(play(test_tasks, client, tokenizer, eval_config, seed=10_000 + step))
+        model.train()
+        print(f"  eval step {step:3d}: K=1 test success {statistics.fmean(e.metrics['mas/success'] for e in eps):.2f}")
+
+    rng = random.Random(args.seed)
+    start = time.perf_counter()
+    history: list[tuple[float, float]] = []  # (success, elapsed s) per step
+    evaluate(0)
+    for step in range(1, args.steps + 1):
+        batch = rng.sample(train_tasks, args.batch)
+        model.eval()
+        episodes = asyncio.run(play(batch, client, tokenizer, config, seed=step))
+        model.train()
+        cands = [c for e in episodes for c in e.trainable()]
+        adv = advantages(cands)
+        loss = update(model, optim, cands, adv, tokenizer.pad_token_id, args.minibatches)
+        success = statistics.fmean(e.metrics["mas/success"] for e in episodes)
+        by_role = {
+            role: statistics.fmean(c.reward for c in cands if c.role == role) for role in RelayWorkflow.roles
+        }
+        zero_std = statistics.fmean(
+            len({c.reward for c in g.all}) == 1 for e in episodes for g in e.groups
+        )
+        elapsed = time.perf_counter() - start
+        history.append((success, elapsed))
+        print(f"step {step:3d}  success {success:.2f}  caller {by_role['caller']:.2f}  runner {by_role['runner']:.2f}  "
+              f"zero-std groups {zero_std:.2f}  loss {loss:+.3f}  {elapsed:6.1f}s", flush=True)
+        if step % args.eval_every == 0:
+            evaluate(step)
+    # 16 episodes per step make single steps noisy: summarise with 10-step windows.
+    window = 10
+    print(f"training success, mean over {window}-step windows:")
+    reached = None
+    for lo in range(0, len(history), window):
+        chunk = history[lo : lo + window]
+        mean = statistics.fmean(s for s, _ in chunk)
+        print(f"  steps {lo + 1:3d}-{lo + len(chunk):3d}: {mean:.2f}  (at {chunk[-1][1]:.0f}s)")
+        if reached is None and mean >= 0.6:
+            reached = (lo + len(chunk), chunk[-1][1])
+    print("first window with mean success >= 0.6 ends at: "
+          + (f"step {reached[0]}, {reached[1]:.0f}s" if reached else "never"))
+
+
+if __name__ == "__main__":
+    main()
