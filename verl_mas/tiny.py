@@ -246,12 +246,27 @@ def main(argv: Sequence[str] | None = None) -> None:
         help="task-tailored word-level vocabulary (words, or @file with one word per line); "
         "default: a byte-level BPE tokenizer that encodes any text",
     )
+    parser.add_argument(
+        "--vocab-from", default=None, metavar="WORKFLOW_ID",
+        help="use the tailored vocabulary a workflow declares (its `vocabulary` class attribute)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="model initialisation seed")
     parser.add_argument("--hidden-size", type=int, default=64)
     parser.add_argument("--layers", type=int, default=2)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     vocab = _split_vocab(args.vocab) if args.vocab is not None else None
+    if args.vocab_from is not None:
+        from verl_mas.registry import get_workflow
+
+        cls = get_workflow(args.vocab_from)
+        declared = getattr(cls, "vocabulary", None)
+        if not declared:
+            parser.error(
+                f"workflow {args.vocab_from!r} declares no `vocabulary`; pass --vocab words, or omit both for the "
+                "general byte-level tokenizer"
+            )
+        vocab = [*(vocab or []), *declared]
     write_tiny(args.out, vocab=vocab, seed=args.seed, hidden_size=args.hidden_size, num_hidden_layers=args.layers)
 
 

@@ -1,14 +1,19 @@
 #!/usr/bin/env bash
 # AT-GRPO on CPU through verl's main_ppo (see at_grpo_cpu.yaml).
-# Usage: [WORKFLOW=toy-walk-v0] bash recipes/at_grpo_cpu/run.sh [hydra overrides...]
+# Usage: [WORKFLOW=relay-v0] bash recipes/at_grpo_cpu/run.sh [hydra overrides...]
 # Outputs go to $VERL_MAS_RUN_DIR (default: ./runs/at_grpo_cpu): model, data, metrics.jsonl, hydra logs.
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 PYTHON="${PYTHON:-python}"
-WORKFLOW="${WORKFLOW:-toy-walk-v0}"
+WORKFLOW="${WORKFLOW:-relay-v0}"
 RUN_DIR="$(mkdir -p "${VERL_MAS_RUN_DIR:-runs/at_grpo_cpu}" && cd "${VERL_MAS_RUN_DIR:-runs/at_grpo_cpu}" && pwd)"
 
-[ -f "$RUN_DIR/model/config.json" ] || "$PYTHON" -m verl_mas.tiny --out "$RUN_DIR/model"
+# A workflow that declares a tailored vocabulary gets a tokenizer with one token per word.
+VOCAB=()
+if "$PYTHON" -c "import sys; from verl_mas.registry import get_workflow; sys.exit(0 if getattr(get_workflow('$WORKFLOW'), 'vocabulary', None) else 1)"; then
+  VOCAB=(--vocab-from "$WORKFLOW")
+fi
+[ -f "$RUN_DIR/model/config.json" ] || "$PYTHON" -m verl_mas.tiny --out "$RUN_DIR/model" "${VOCAB[@]}"
 [ -f "$RUN_DIR/data/train.parquet" ] || "$PYTHON" -m verl_mas.data "$WORKFLOW" --out "$RUN_DIR/data" --train 64 --test 16 --seed 0
 
 export VERL_PLATFORM=cpu

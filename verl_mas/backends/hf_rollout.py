@@ -12,10 +12,11 @@ loops use:
 - the lifecycle no-ops verl calls on hybrid replicas (``wake_up``, ``sleep``, ``clear_kv_cache``,
   ``abort_all_requests``, ...).
 
-Concurrency: requests from many agent-loop sessions arrive concurrently; the server answers them one
-at a time from a FIFO queue in a worker thread (the actor's event loop stays free), so every request
-gets exactly the answer it would get alone. That is slower than continuous batching and is meant for
-tiny models; GPU users select vLLM or SGLang as in stock verl.
+Concurrency: requests from many agent-loop sessions arrive concurrently; a worker thread (the actor's
+event loop stays free) takes the queued requests in arrival order and decodes them together as one
+left-padded batch, each row with its own sampling settings and generator, so every request gets its own
+answer (the same tokens it would get alone, log-probs equal to float rounding). It is meant for tiny
+models; GPU users select vLLM or SGLang as in stock verl.
 
 Diagnostics: ``VERL_MAS_HF_ROLLOUT_FREEZE_WEIGHTS=1`` makes the server ignore weight updates (the
 rollout keeps the initial weights). It exists to prove that verl's rollout-vs-actor probability check
@@ -79,7 +80,7 @@ class GenerationResult:
 
 
 class HFGenerationEngine:
-    """Token-in/token-out generation with a ``transformers`` causal LM, one request at a time.
+    """Token-in/token-out generation with a ``transformers`` causal LM; concurrent requests are batched.
 
     Args:
         model: A causal LM in eval mode.
@@ -87,13 +88,20 @@ class HFGenerationEngine:
         seed: Seed of the engine's sampling generator (used for requests that bring no seed).
     """
 
-    def __init__(self, model: torch.nn.Module, eos_token_ids: Iterable[int], seed: int = 0) -> None:
+    def __init__(
+        self, model: torch.nn.Module, eos_token_ids: Iterable[int], seed: int = 0, max_batch_size: int = 64
+    ) -> None:
         self.model = model.eval()
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
+        self.max_batch_size = max_batch_size
         self._generator = torch.Generator().manual_seed(seed)
-        # One worker thread: requests are served in arrival order and never interleave.
+        # One worker thread owns the model: batches are served in arrival order and never interleave.
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf-rollout")
         self._lock = threading.Lock()
+        self._pending_lock = threading.Lock()
+        self._pending: list[tuple[list[int], SamplingSettings, asyncio.Future[GenerationResult], Any]] = []
+        self._draining = False
+        self.largest_batch = 0  # diagnostics: the most requests decoded together so far
         self.frozen = False
         self.num_weight_updates = 0
 
@@ -147,37 +155,91 @@ class HFGenerationEngine:
 
     # ---- generation ----
     async def generate(self, prompt_ids: list[int], settings: SamplingSettings) -> GenerationResult:
-        """Generate one response without blocking the event loop (requests queue FIFO)."""
+        """Generate one response without blocking the event loop.
+
+        Requests that arrive while the model is busy are queued and then decoded together as one
+        left-padded batch (at most ``max_batch_size`` rows), each row with its own sampling settings
+        and generator; each request gets back exactly its own tokens.
+        """
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, self.generate_sync, list(prompt_ids), settings)
+        future: asyncio.Future[GenerationResult] = loop.create_future()
+        with self._pending_lock:
+            self._pending.append((list(prompt_ids), settings, future, loop))
+            start = not self._draining
+            self._draining = True
+        if start:
+            loop.run_in_executor(self._executor, self._drain)
+        return await future
+
+    def _drain(self) -> None:
+        """Worker thread: serve queued requests in arrival order, a batch at a time, until none is left."""
+        while True:
+            with self._pending_lock:
+                batch = self._pending[: self.max_batch_size]
+                del self._pending[: self.max_batch_size]
+                if not batch:
+                    self._draining = False
+                    return
+            self.largest_batch = max(self.largest_batch, len(batch))
+            try:
+                results: list[Any] = self.generate_batch([(p, st) for p, st, _, _ in batch])
+            except Exception as exc:  # delivered to every waiting request; nothing is swallowed
+                results = [exc] * len(batch)
+            for (_, _, future, loop), result in zip(batch, results):
+                loop.call_soon_threadsafe(_resolve, future, result)
+
+    def generate_sync(self, prompt_ids: list[int], settings: SamplingSettings) -> GenerationResult:
+        """Generate one response in the calling thread (the unbatched reference path)."""
+        return self.generate_batch([(list(prompt_ids), settings)])[0]
 
     @torch.no_grad()
-    def generate_sync(self, prompt_ids: list[int], settings: SamplingSettings) -> GenerationResult:
-        """Generate one response in the calling thread (KV-cached incremental decoding)."""
-        if not prompt_ids:
-            raise ValueError("generate() got an empty prompt; an agent loop must send at least one token id.")
-        generator = self._generator
-        if settings.seed is not None:
-            generator = torch.Generator().manual_seed(int(settings.seed))
+    def generate_batch(self, requests: list[tuple[list[int], SamplingSettings]]) -> list[GenerationResult]:
+        """KV-cached incremental decoding of several prompts at once (left-padded, per-row settings)."""
+        for prompt_ids, _ in requests:
+            if not prompt_ids:
+                raise ValueError("generate() got an empty prompt; an agent loop must send at least one token id.")
+        rows = len(requests)
+        width = max(len(p) for p, _ in requests)
+        input_ids = torch.zeros(rows, width, dtype=torch.long)
+        mask = torch.zeros(rows, width, dtype=torch.long)
+        for i, (prompt_ids, _) in enumerate(requests):
+            input_ids[i, width - len(prompt_ids) :] = torch.tensor(prompt_ids)
+            mask[i, width - len(prompt_ids) :] = 1
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        generators = [
+            torch.Generator().manual_seed(int(st.seed)) if st.seed is not None else self._generator for _, st in requests
+        ]
+        tokens: list[list[int]] = [[] for _ in range(rows)]
+        log_probs: list[list[float]] = [[] for _ in range(rows)]
+        done = [False] * rows
         with self._lock:
-            input_ids = torch.tensor([prompt_ids], dtype=torch.long)
-            out = self.model(input_ids=input_ids, use_cache=True)
-            past = out.past_key_values
-            logits = out.logits[0, -1].float()
-            tokens: list[int] = []
-            log_probs: list[float] = []
-            for step in range(settings.max_tokens):
-                token, log_prob = self._sample(logits, tokens, prompt_ids, settings, generator)
-                tokens.append(token)
-                log_probs.append(log_prob)
-                if token in self.eos_token_ids and not settings.ignore_eos:
+            out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True)
+            past, logits = out.past_key_values, out.logits[:, -1].float()
+            next_pos = positions[:, -1] + 1
+            while True:
+                step_tokens = torch.zeros(rows, dtype=torch.long)
+                for i, (prompt_ids, st) in enumerate(requests):
+                    if done[i]:
+                        continue
+                    token, log_prob = self._sample(logits[i], tokens[i], prompt_ids, st, generators[i])
+                    tokens[i].append(token)
+                    log_probs[i].append(log_prob)
+                    step_tokens[i] = token
+                    if (token in self.eos_token_ids and not st.ignore_eos) or len(tokens[i]) >= st.max_tokens:
+                        done[i] = True
+                if all(done):
                     break
-                if step + 1 == settings.max_tokens:
-                    break
-                out = self.model(input_ids=torch.tensor([[token]]), past_key_values=past, use_cache=True)
-                past = out.past_key_values
-                logits = out.logits[0, -1].float()
-        return GenerationResult(tokens, log_probs, "completed")
+                mask = torch.cat([mask, torch.ones(rows, 1, dtype=torch.long)], dim=1)
+                out = self.model(
+                    input_ids=step_tokens[:, None],
+                    attention_mask=mask,
+                    position_ids=next_pos[:, None],
+                    past_key_values=past,
+                    use_cache=True,
+                )
+                past, logits = out.past_key_values, out.logits[:, -1].float()
+                next_pos = next_pos + 1
+        return [GenerationResult(t, lp, "completed") for t, lp in zip(tokens, log_probs)]
 
     @staticmethod
     def _sample(
@@ -213,6 +275,15 @@ class HFGenerationEngine:
         # The log-prob under the temperature-scaled distribution: what verl's actor recomputes. With
         # top-k/top-p on, the behaviour policy differs from it; verl's rollout correction handles that.
         return token, float(log_probs[token])
+
+
+def _resolve(future: asyncio.Future[Any], result: Any) -> None:
+    if future.done():  # the caller was cancelled
+        return
+    if isinstance(result, BaseException):
+        future.set_exception(result)
+    else:
+        future.set_result(result)
 
 
 def settings_from_verl(
