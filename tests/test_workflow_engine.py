@@ -377,3 +377,28 @@ async def test_system_prompt_belongs_to_the_workflow():
     text = _decoded_prompt(llm.requests[0])
     expected = "<|im_start|>system\nYou are the solo role.<|im_end|>\n<|im_start|>user\ngo<|im_end|>\n"
     assert text == expected + "<|im_start|>assistant\n"
+
+
+def test_a_sandbox_failure_inside_a_workflow_aborts_the_episode_without_training_on_it() -> None:
+    """An infrastructure failure raised by workflow code (the sandbox) is not blamed on the workflow."""
+    from verl_mas.sandbox import SandboxError
+    from verl_mas.testing import ScriptedLLM, run_workflow
+
+    class Runner(Workflow):
+        roles = ("coder",)
+
+        async def run(self, task: dict) -> None:
+            for turn in self.turns():
+                group = await self.generate("coder", [{"role": "user", "content": f"code, turn {turn}"}])
+                if turn == 1:
+                    # Scoring this group needs the sandbox, which fails: nothing of it can be rewarded.
+                    raise SandboxError("the fork server died")
+                for c in group:
+                    c.reward = 1.0
+                group.best()
+
+    episode = run_workflow(Runner, {}, llm=ScriptedLLM({"coder": ["print(1)"]}), branching=2, max_turns=2)
+    assert episode.aborted and "fork server died" in (episode.error or "")
+    # The group completed before the failure is kept and trainable; the unrewarded one is not.
+    trainable = [c for c in episode.candidates if c.trainable]
+    assert len(trainable) == 2 and all(c.reward == 1.0 for c in trainable)

@@ -23,9 +23,11 @@ class WorkflowError(RuntimeError):
 
 
 class InfraError(RuntimeError):
-    """The LLM serving infrastructure failed for a request (server error, lost replica, timeout).
+    """The infrastructure failed: LLM serving (server error, lost replica, timeout) or code execution
+    (:class:`verl_mas.sandbox.SandboxError`).
 
-    Clients raise it (or return a :class:`~verl_mas.client.Sample` with ``error`` set) so that the
+    Raised by workflow code (e.g. from the sandbox), it aborts the episode without training on the
+    unrewarded candidates. Clients raise it (or return a :class:`~verl_mas.client.Sample` with ``error`` set) so that the
     engine marks the affected candidates as not trainable instead of crashing or training on them.
     """
 

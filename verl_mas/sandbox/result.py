@@ -7,6 +7,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
+from verl_mas.errors import InfraError
+
 __all__ = ["KILLED_REASONS", "PROTECTIONS", "ExecResult", "SandboxError", "infer_killed_reason"]
 
 PROTECTIONS = ("network", "pid_namespace", "filesystem", "unprivileged_uid")
@@ -35,10 +37,12 @@ KILLED_REASONS = ("timeout", "output_limit", "cpu", "memory", "file_size")
 """
 
 
-class SandboxError(RuntimeError):
+class SandboxError(InfraError):
     """The sandbox itself failed (could not start, lost a run); never raised for the model's own mistakes.
 
     Syntax errors, exceptions, wrong output and timeouts of the model's code are `ExecResult` values.
+    An infrastructure failure: raised inside a workflow it aborts the episode, whose unrewarded
+    candidates are never trained on (the groups completed before it stay trainable).
     """
 
 

@@ -1,0 +1,405 @@
+"""Task loaders for the code and math workflows: published dataset files -> task dicts, plus the project task sets.
+
+Nothing here downloads: every loader reads a local ``.jsonl``, ``.json`` or ``.parquet`` file in the
+format its dataset is published in. Where to get the files and the splits the paper used are in
+docs/code-and-math.md.
+
+=================  ==========================================================================  ========
+``format``         records (fields read)                                                       tasks
+=================  ==========================================================================  ========
+``apps``           ``problem_id, question, solutions`` (JSON list str), ``input_output`` (JSON  code
+                   str with ``inputs``/``outputs``; call-based ``fn_name`` problems skipped),
+                   ``difficulty``
+``codecontests``   ``name, description, public_tests{input,output}, private_tests,             code
+                   generated_tests, solutions{language,solution}`` (language 3 = Python 3)
+``livecodebench``  ``question_id, question_content, public_test_cases`` (JSON),                code
+                   ``private_test_cases`` (JSON, or the lite release's base64/zlib/pickle
+                   encoding), ``starter_code``; ``functional`` (LeetCode) tests skipped
+``aime``           ``id``, ``problem`` or ``question``, ``answer``                             math
+``olympiadbench``  ``id, question, final_answer`` (list of str, ``$`` stripped)                math
+``polaris``        ``problem, answer``                                                         math
+=================  ==========================================================================  ========
+
+Code task: ``{"id", "source", "question", "tests": [{"input", "output"}], "solution": str | None,
+"difficulty"}``. Math task: ``{"id", "source", "problem", "answer"}``.
+"""
+
+from __future__ import annotations
+
+import base64
+import functools
+import io
+import json
+import logging
+import pickle
+import zlib
+from collections.abc import Iterable, Mapping
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "CODE_FORMATS",
+    "FORMATS",
+    "MATH_FORMATS",
+    "check_code_task",
+    "check_math_task",
+    "load_tasks",
+    "project_tasks",
+    "read_records",
+    "write_tasks",
+]
+
+CODE_FORMATS = ("apps", "codecontests", "livecodebench")
+MATH_FORMATS = ("aime", "olympiadbench", "polaris")
+FORMATS = CODE_FORMATS + MATH_FORMATS
+
+#: Default cap on golden tests kept per code task (CodeContests has hundreds; each is one sandbox run).
+DEFAULT_MAX_TESTS = 32
+
+#: CodeContests' ``solutions.language`` code for Python 3.
+_CC_PYTHON3 = 3
+
+# ---------------------------------------------------------------------------------------------------
+# Task validation (the workflows call these at the start of an episode).
+
+
+def check_code_task(task: Mapping[str, Any]) -> dict[str, Any]:
+    """Validate a code task and return it as a dict with ``solution`` defaulted to None.
+
+    Raises:
+        ValueError: Listing every problem (missing question, no golden tests, non-str test fields).
+    """
+    problems = []
+    if not isinstance(task, Mapping):
+        raise ValueError(f"code task is a {type(task).__name__}, not a dict; build tasks with verl_mas.workflows.loaders")
+    if not isinstance(task.get("question"), str) or not task["question"].strip():
+        problems.append("'question' must be a non-empty str (the problem statement)")
+    tests = task.get("tests")
+    if not isinstance(tests, list) or not tests:
+        problems.append("'tests' must be a non-empty list of {'input': str, 'output': str} (the golden tests)")
+    else:
+        bad = [i for i, t in enumerate(tests) if not (isinstance(t, Mapping) and isinstance(t.get("input"), str)
+                                                       and isinstance(t.get("output"), str))]
+        if bad:
+            problems.append(f"tests {bad[:5]} are not {{'input': str, 'output': str}}")
+    if task.get("solution") is not None and not isinstance(task.get("solution"), str):
+        problems.append("'solution' must be a str (the golden program) or null")
+    if problems:
+        raise ValueError(
+            f"code task {task.get('id', '?')!r} is malformed: " + "; ".join(problems)
+            + ". Load tasks with verl_mas.workflows.loaders.load_tasks or follow the schema in its docstring."
+        )
+    return {**task, "solution": task.get("solution")}
+
+
+def check_math_task(task: Mapping[str, Any]) -> dict[str, Any]:
+    """Validate a math task (``problem`` and ``answer`` non-empty str) and return it as a dict.
+
+    Raises:
+        ValueError: Listing every problem.
+    """
+    if not isinstance(task, Mapping):
+        raise ValueError(f"math task is a {type(task).__name__}, not a dict; build tasks with verl_mas.workflows.loaders")
+    problems = [f"{key!r} must be a non-empty str" for key in ("problem", "answer")
+                if not isinstance(task.get(key), str) or not task[key].strip()]
+    if problems:
+        raise ValueError(
+            f"math task {task.get('id', '?')!r} is malformed: " + "; ".join(problems)
+            + ". Load tasks with verl_mas.workflows.loaders.load_tasks or follow the schema in its docstring."
+        )
+    return dict(task)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The project-written task sets (package data).
+
+
+@functools.lru_cache(maxsize=None)
+def _project_tasks(kind: str) -> tuple[str, ...]:
+    name = {"code": "code_tasks.jsonl", "math": "math_tasks.jsonl"}.get(kind)
+    if name is None:
+        raise ValueError(f"kind is {kind!r}; the project task sets are 'code' and 'math'")
+    text = resources.files("verl_mas.workflows").joinpath("data", name).read_text(encoding="utf-8")
+    return tuple(line for line in text.splitlines() if line.strip())
+
+
+def project_tasks(kind: str) -> list[dict[str, Any]]:
+    """The small task set written for this project (``verl_mas/workflows/data/<kind>_tasks.jsonl``).
+
+    Args:
+        kind: ``"code"`` (16 stdin/stdout problems with golden solutions and tests) or ``"math"``
+            (16 short problems with answers).
+
+    Returns:
+        Fresh dicts (callers may mutate them).
+    """
+    return [json.loads(line) for line in _project_tasks(kind)]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Reading files.
+
+
+def read_records(path: str | Path) -> list[dict[str, Any]]:
+    """The records of a ``.jsonl``, ``.json`` (a list, or ``{"data": [...]}``) or ``.parquet`` file.
+
+    Raises:
+        ValueError: For another suffix, or a JSON file that holds no list of records.
+    """
+    p = Path(path)
+    suffix = p.suffix.lower()
+    if suffix == ".jsonl":
+        with p.open(encoding="utf-8") as f:
+            return [json.loads(line) for line in f if line.strip()]
+    if suffix == ".json":
+        data = json.loads(p.read_text(encoding="utf-8"))
+        if isinstance(data, Mapping) and isinstance(data.get("data"), list):
+            data = data["data"]
+        if not isinstance(data, list):
+            raise ValueError(f"{p} holds a {type(data).__name__}; expected a JSON list of records (or {{'data': [...]}})")
+        return data
+    if suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        return pq.read_table(p).to_pylist()
+    raise ValueError(f"{p}: unsupported file type {suffix!r}; pass a .jsonl, .json or .parquet file")
+
+
+def _json_field(value: Any) -> Any:
+    """A field that datasets store either as JSON text or already decoded."""
+    if isinstance(value, str):
+        return json.loads(value) if value.strip() else None
+    return value
+
+
+def _text(value: Any) -> str:
+    """A test input/output: str as is, a list of lines joined (some APPS records), else JSON text."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and all(isinstance(x, str) for x in value):
+        return "\n".join(value) + "\n"
+    return json.dumps(value)
+
+
+def _tests(inputs: Iterable[Any], outputs: Iterable[Any]) -> list[dict[str, str]]:
+    return [{"input": _text(i), "output": _text(o)} for i, o in zip(inputs, outputs, strict=True)]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Code formats.
+
+
+def _apps(rec: Mapping[str, Any]) -> dict[str, Any] | None:
+    io_spec = _json_field(rec.get("input_output")) or {}
+    if io_spec.get("fn_name") or not io_spec.get("inputs"):
+        return None  # call-based (LeetCode-style) or test-less: not a stdin/stdout task
+    solutions = _json_field(rec.get("solutions")) or []
+    return {
+        "id": f"apps-{rec['problem_id']}",
+        "source": "apps",
+        "question": rec["question"],
+        "tests": _tests(io_spec["inputs"], io_spec["outputs"]),
+        "solution": solutions[0] if solutions else None,
+        "difficulty": rec.get("difficulty"),
+    }
+
+
+def _codecontests(rec: Mapping[str, Any], include_generated: bool) -> dict[str, Any] | None:
+    tests: list[dict[str, str]] = []
+    kinds = ("public_tests", "private_tests") + (("generated_tests",) if include_generated else ())
+    for kind in kinds:
+        block = rec.get(kind) or {}
+        tests += _tests(block.get("input") or [], block.get("output") or [])
+    if not tests:
+        return None
+    sols = rec.get("solutions") or {}
+    python = [s for lang, s in zip(sols.get("language") or [], sols.get("solution") or [], strict=True)
+              if lang == _CC_PYTHON3]
+    difficulty = rec.get("difficulty")
+    return {
+        "id": f"codecontests-{rec['name']}",
+        "source": "codecontests",
+        "question": rec["description"],
+        "tests": tests,
+        "solution": python[0] if python else None,
+        "difficulty": None if difficulty is None else str(difficulty),
+    }
+
+
+class _StrOnlyUnpickler(pickle.Unpickler):
+    """Unpickles plain data only: any class or function reference is refused (no code execution)."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        raise pickle.UnpicklingError(
+            f"refusing to load {module}.{name}: LiveCodeBench private tests are a pickled str, nothing else"
+        )
+
+
+def _lcb_private(value: Any) -> Any:
+    """LiveCodeBench private tests: JSON, or the lite release's base64(zlib(pickle(json str)))."""
+    if not isinstance(value, str) or not value.strip():
+        return value or []
+    if value.lstrip().startswith("["):
+        return json.loads(value)
+    raw = _StrOnlyUnpickler(io.BytesIO(zlib.decompress(base64.b64decode(value)))).load()
+    return json.loads(raw) if isinstance(raw, str) else raw
+
+
+def _livecodebench(rec: Mapping[str, Any]) -> dict[str, Any] | None:
+    cases = list(_json_field(rec.get("public_test_cases")) or []) + list(_lcb_private(rec.get("private_test_cases")))
+    if not cases or any(c.get("testtype", "stdin") != "stdin" for c in cases):
+        return None  # functional (LeetCode) problems call a method; only stdin/stdout tasks are supported
+    return {
+        "id": f"livecodebench-{rec['question_id']}",
+        "source": "livecodebench",
+        "question": rec["question_content"],
+        "tests": [{"input": c["input"], "output": c["output"]} for c in cases],
+        "solution": None,  # LiveCodeBench publishes no reference solutions
+        "difficulty": rec.get("difficulty"),
+    }
+
+
+# ---------------------------------------------------------------------------------------------------
+# Math formats.
+
+
+def _strip_dollars(text: str) -> str:
+    text = text.strip()
+    while len(text) >= 2 and text.startswith("$") and text.endswith("$"):
+        text = text[1:-1].strip()
+    return text
+
+
+def _math(rec: Mapping[str, Any], fmt: str, index: int) -> dict[str, Any] | None:
+    problem = rec.get("problem") if rec.get("problem") is not None else rec.get("question")
+    answer = rec.get("answer") if rec.get("answer") is not None else rec.get("final_answer")
+    if isinstance(answer, list):
+        answer = ", ".join(_strip_dollars(str(a)) for a in answer)
+    if problem is None or answer is None or not str(answer).strip():
+        return None
+    rid = rec.get("id", rec.get("ID", index))
+    return {"id": f"{fmt}-{rid}", "source": fmt, "problem": str(problem), "answer": _strip_dollars(str(answer))}
+
+
+def load_tasks(
+    path: str | Path,
+    format: str,
+    *,
+    start: int = 0,
+    stop: int | None = None,
+    max_tests: int | None = DEFAULT_MAX_TESTS,
+    include_generated: bool = False,
+    require_solution: bool = False,
+) -> list[dict[str, Any]]:
+    """Read a published dataset file into task dicts for ``code-v0``/``code-single-v0`` or ``math-v0``/``math-single-v0``.
+
+    Records that are not usable (call-based APPS problems, LeetCode-style LiveCodeBench problems,
+    records without tests or answer) are skipped and counted in one INFO log line.
+
+    Args:
+        path: A ``.jsonl``, ``.json`` or ``.parquet`` file in the dataset's published format.
+        format: One of :data:`FORMATS`.
+        start: First record (file order) to use, e.g. 500 for the paper's APPS training range.
+        stop: One past the last record to use (None: to the end), e.g. 4500.
+        max_tests: Keep at most this many golden tests per code task (None: all), public tests first.
+        include_generated: CodeContests: also use ``generated_tests`` (the paper used public + private).
+        require_solution: Code: skip tasks without a golden solution (the tester's ``0.8 * g`` term
+            needs one).
+
+    Returns:
+        Task dicts (see the module docstring), in file order.
+
+    Raises:
+        ValueError: Unknown ``format``, unsupported file type, or a record missing a required field
+            (named with its index).
+    """
+    if format not in FORMATS:
+        raise ValueError(f"format is {format!r}; it must be one of {FORMATS}")
+    records = read_records(path)[start:stop]
+    tasks: list[dict[str, Any]] = []
+    for i, rec in enumerate(records, start=start):
+        try:
+            if format == "apps":
+                task = _apps(rec)
+            elif format == "codecontests":
+                task = _codecontests(rec, include_generated)
+            elif format == "livecodebench":
+                task = _livecodebench(rec)
+            else:
+                task = _math(rec, format, i)
+        except (KeyError, TypeError, ValueError, zlib.error, pickle.UnpicklingError) as e:
+            raise ValueError(
+                f"{path} record {i} is not a valid {format!r} record ({type(e).__name__}: {e}). Check that the file is "
+                f"the published {format} format (fields in verl_mas.workflows.loaders' docstring)."
+            ) from e
+        if task is None:
+            continue
+        if format in CODE_FORMATS:
+            if max_tests is not None:
+                task["tests"] = task["tests"][:max_tests]
+            if require_solution and task["solution"] is None:
+                continue
+        tasks.append(task)
+    skipped = len(records) - len(tasks)
+    if skipped:
+        logger.info("%s: loaded %d %s tasks, skipped %d unusable records", path, len(tasks), format, skipped)
+    return tasks
+
+
+# ---------------------------------------------------------------------------------------------------
+# Writing verl parquet files from loaded tasks (until `python -m verl_mas.data` grows --source/--format).
+
+
+def write_tasks(workflow_id: str, tasks: list[dict[str, Any]], path: str | Path, split: str) -> Path:
+    """Write ``tasks`` as one verl parquet file in the row contract of :mod:`verl_mas.data`.
+
+    Args:
+        workflow_id: The workflow the rows are for (``code-v0``, ``math-v0``, ...).
+        tasks: Task dicts, e.g. from :func:`load_tasks`.
+        path: Output ``.parquet`` file (parent directories created).
+        split: ``"train"`` or ``"test"``.
+    """
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from verl_mas.data import canonical_json, make_rows
+
+    if not tasks:
+        raise ValueError(f"no tasks to write to {path}; check the source file, format and --start/--stop range")
+    rows = make_rows(workflow_id, split, [canonical_json(t, where=f"task {i}") for i, t in enumerate(tasks)])
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.Table.from_pylist(rows), out)
+    logger.info("wrote %d %s tasks for %s to %s", len(tasks), split, workflow_id, out)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m verl_mas.workflows.loaders --format apps --source FILE --workflow code-v0 --split test --out X.parquet``."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m verl_mas.workflows.loaders",
+                                     description="Convert a published dataset file into a verl_mas parquet file.")
+    parser.add_argument("--format", required=True, choices=FORMATS)
+    parser.add_argument("--source", required=True, help="local .jsonl/.json/.parquet file in the published format")
+    parser.add_argument("--workflow", required=True, help="workflow id, e.g. code-v0 or math-v0")
+    parser.add_argument("--split", required=True, choices=("train", "test"))
+    parser.add_argument("--out", required=True, help="output .parquet file")
+    parser.add_argument("--start", type=int, default=0, help="first record (file order)")
+    parser.add_argument("--stop", type=int, default=None, help="one past the last record")
+    parser.add_argument("--max-tests", type=int, default=DEFAULT_MAX_TESTS, help="golden tests kept per code task")
+    parser.add_argument("--include-generated", action="store_true", help="CodeContests: add generated_tests")
+    parser.add_argument("--require-solution", action="store_true", help="code: skip tasks without a golden solution")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    tasks = load_tasks(args.source, args.format, start=args.start, stop=args.stop, max_tests=args.max_tests,
+                       include_generated=args.include_generated, require_solution=args.require_solution)
+    write_tasks(args.workflow, tasks, args.out, args.split)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
