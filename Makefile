@@ -1,5 +1,5 @@
 # verl_mas: two commands for a fresh machine. Both create or refresh ./.venv first (idempotent).
-#   make demo   the main job: verl's main_ppo on CPU with a tiny model (no GPU, no downloads of models)
+#   make demo   the main job: AT-GRPO through verl's main_ppo on CPU, a tiny model learning a two-role task
 #   make test   the test suite CI runs (includes real verl/Ray runs; ~15 min on 2 cores)
 # Knobs: PYTHON=python3.11  TORCH="torch==2.13.0"  PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu"
 
@@ -24,7 +24,8 @@ $(STAMP): pyproject.toml Makefile
 	@touch $(STAMP)
 
 demo: setup
-	PYTHON=$(PY) bash recipes/grpo_cpu_smoke/run.sh
+	PYTHON=$(PY) VERL_MAS_RUN_DIR=runs/quickstart bash recipes/at_grpo_cpu/run.sh
+	$(PY) -m verl_mas.report runs/quickstart/metrics.jsonl --plot runs/quickstart/curves.png
 
 test: setup
 	$(PY) -m pytest

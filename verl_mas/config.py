@@ -67,6 +67,8 @@ class MasConfig:
     """Settings of the code sandbox (see ``verl_mas.sandbox``)."""
     request_timeout_s: float | None = None
     """Per-group timeout of a model request (an infrastructure failure, never a training sample)."""
+    replay_poll_interval_s: float = 0.2
+    """How often the trainer checks whether the step's episodes have finished (verl's default: 2 s)."""
 
     def __post_init__(self) -> None:
         problems = self.problems()
@@ -77,6 +79,8 @@ class MasConfig:
         out: list[str] = []
         if not isinstance(self.branching, int) or self.branching < 1:
             out.append(f"mas.branching is {self.branching!r}; it must be an integer >= 1 (the paper uses 4).")
+        if not self.replay_poll_interval_s > 0:
+            out.append(f"mas.replay_poll_interval_s is {self.replay_poll_interval_s!r}; it must be > 0 seconds.")
         if not isinstance(self.max_turns, int) or self.max_turns < 1:
             out.append(f"mas.max_turns is {self.max_turns!r}; it must be an integer >= 1 (the paper uses 4).")
         for name, value, allowed in (
