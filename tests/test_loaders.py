@@ -137,3 +137,21 @@ def test_recipe_composes_with_paper_settings(name: str) -> None:
         MasConfig.from_mapping(broken)
     run_sh = (recipes / name / "run.sh").read_text()
     assert run_sh.count('"$PYTHON" -m verl.trainer.main_ppo') == 1 and run_sh.rstrip().endswith('"$@"')
+
+
+def test_data_cli_writes_a_split_from_a_published_file(tmp_path) -> None:
+    """`python -m verl_mas.data code-v0 --source FILE --format apps --split test` (the common CLI)."""
+    from pathlib import Path
+
+    from verl_mas.data import read_tasks
+    from verl_mas.data.__main__ import main as data_main
+
+    fixture = Path(__file__).parent / "fixtures" / "apps.jsonl"
+    assert data_main(["code-v0", "--out", str(tmp_path), "--source", str(fixture), "--format", "apps",
+                      "--split", "test"]) == 0
+    tasks = read_tasks(tmp_path / "test.parquet")
+    # The fixture has 3 records, one of them call-based (unusable for stdin/stdout programs): 2 tasks.
+    assert len(tasks) == 2 and all(t["tests"] for t in tasks)
+    # An empty range is an error, not an empty split.
+    assert data_main(["code-v0", "--out", str(tmp_path / "e"), "--source", str(fixture), "--format", "apps",
+                      "--split", "train", "--start", "5"]) == 2

@@ -265,6 +265,24 @@ def write_dataset(
     return paths["train"], paths["test"]
 
 
+def write_split(workflow_id: str, tasks: list[Any], path: str | os.PathLike[str], split: str) -> Path:
+    """Write given ``tasks`` (e.g. loaded from a published dataset file) as one split's parquet file.
+
+    The split boundaries are the caller's (e.g. the paper's index ranges); nothing is drawn or deduplicated.
+
+    Raises:
+        ValueError: When ``tasks`` is empty (a wrong file, format or range should not yield an empty split).
+    """
+    if not tasks:
+        raise ValueError(f"no tasks to write to {path}; check the source file, its format and the record range")
+    rows = make_rows(workflow_id, split, [canonical_json(t, where=f"task {i}") for i, t in enumerate(tasks)])
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    _write_parquet(rows, out)
+    logger.info("wrote %d %s tasks of %s to %s", len(tasks), split, workflow_id, out)
+    return out
+
+
 def read_tasks(parquet_path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     """The tasks of a parquet file written by :func:`write_dataset`, in row order.
 

@@ -19,8 +19,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("workflow", help="workflow id, e.g. relay-v0, or 'package.module:Class'")
     parser.add_argument("--out", required=True, help="output directory")
-    parser.add_argument("--train", type=int, required=True, help="number of training tasks")
-    parser.add_argument("--test", type=int, required=True, help="number of test tasks")
+    parser.add_argument("--train", type=int, default=None, help="number of training tasks (generated tasks)")
+    parser.add_argument("--test", type=int, default=None, help="number of test tasks (generated tasks)")
+    published = parser.add_argument_group(
+        "published dataset files (code-v0, math-v0, ...): write one split from a local file instead of generating"
+    )
+    published.add_argument("--source", default=None, help="local .jsonl/.json/.parquet file in its published format")
+    published.add_argument("--format", default=None, help="apps|codecontests|livecodebench|aime|olympiadbench|polaris")
+    published.add_argument("--split", default=None, choices=("train", "test"), help="which split the file becomes")
+    published.add_argument("--start", type=int, default=0, help="first record (file order)")
+    published.add_argument("--stop", type=int, default=None, help="one past the last record")
     parser.add_argument("--seed", type=int, default=0, help="dataset seed (default 0)")
     parser.add_argument(
         "--patience", type=int, default=DEFAULT_PATIENCE,
@@ -28,6 +36,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if args.source is not None:
+        if args.format is None or args.split is None:
+            parser.error("--source needs --format and --split (the paper's splits are index ranges: --start/--stop)")
+        from pathlib import Path
+
+        from verl_mas.data import write_split
+        from verl_mas.workflows.loaders import load_tasks
+
+        try:
+            tasks = load_tasks(args.source, args.format, start=args.start, stop=args.stop)
+            path = write_split(args.workflow, tasks, Path(args.out) / f"{args.split}.parquet", args.split)
+        except (LookupError, ValueError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        print(f"{len(tasks)} {args.split} tasks: {path}")
+        return 0
+    if args.train is None or args.test is None:
+        parser.error("--train and --test are required (or --source FILE --format F --split S for a published file)")
     try:
         train_path, test_path = write_dataset(
             args.workflow, args.out, args.train, args.test, args.seed, patience=args.patience

@@ -362,19 +362,9 @@ def write_tasks(workflow_id: str, tasks: list[dict[str, Any]], path: str | Path,
         path: Output ``.parquet`` file (parent directories created).
         split: ``"train"`` or ``"test"``.
     """
-    import pyarrow as pa
-    import pyarrow.parquet as pq
+    from verl_mas.data import write_split
 
-    from verl_mas.data import canonical_json, make_rows
-
-    if not tasks:
-        raise ValueError(f"no tasks to write to {path}; check the source file, format and --start/--stop range")
-    rows = make_rows(workflow_id, split, [canonical_json(t, where=f"task {i}") for i, t in enumerate(tasks)])
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    pq.write_table(pa.Table.from_pylist(rows), out)
-    logger.info("wrote %d %s tasks for %s to %s", len(tasks), split, workflow_id, out)
-    return out
+    return write_split(workflow_id, tasks, path, split)
 
 
 def main(argv: list[str] | None = None) -> int:
