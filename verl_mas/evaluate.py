@@ -1,0 +1,131 @@
+"""Evaluate a model (a trained checkpoint or any local transformers model) on a test split of a workflow.
+
+Runs one episode per task of a parquet split written by ``python -m verl_mas.data`` with a local
+``transformers`` model (CPU is fine for small models), greedy by default, and reports the success rate per
+dataset (``data_source``) and the mean of every per-role / per-episode metric::
+
+    python -m verl_mas.evaluate --data runs/quickstart/data/test.parquet --model runs/quickstart/model
+    python -m verl_mas.evaluate --data test.parquet --model ckpt/hf --branching 1 --temperature 0 --json out.json
+
+A verl FSDP checkpoint is first converted to a transformers directory with verl's own merger
+(``python -m verl.model_merger merge --backend fsdp --local_dir CKPT/actor --target_dir OUT``). For served
+models or several policies, build an :class:`verl_mas.LLMClient` and call :func:`evaluate`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import math
+from collections import defaultdict
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from verl_mas.client import GenerateRequest, LLMClient, Sample
+from verl_mas.engine import run_episode
+from verl_mas.episode import EpisodeConfig
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["LocalModelClient", "evaluate", "main"]
+
+
+class LocalModelClient:
+    """:class:`verl_mas.LLMClient` over a local transformers model (the hf backend's batched engine)."""
+
+    def __init__(self, model_path: str, *, temperature: float = 0.0, max_tokens: int = 256, seed: int = 0) -> None:
+        from verl_mas.backends.hf_rollout import HFGenerationEngine, SamplingSettings
+
+        self.engine = HFGenerationEngine.from_pretrained(model_path, seed=seed)
+        self._settings = SamplingSettings(max_tokens=max_tokens, temperature=temperature)
+
+    async def generate(self, request: GenerateRequest) -> list[Sample]:
+        results = await asyncio.gather(*(self.engine.generate(request.prompt_ids, self._settings) for _ in range(request.n)))
+        return [Sample(token_ids=r.token_ids, logprobs=r.log_probs, stop_reason=r.stop_reason) for r in results]
+
+
+async def evaluate(
+    rows: list[dict[str, Any]], *, client: LLMClient, tokenizer: Any, config: EpisodeConfig, seed: int = 0
+) -> dict[str, float]:
+    """Run one episode per row (concurrently) and aggregate success and metrics.
+
+    Args:
+        rows: Dataset rows as written by ``python -m verl_mas.data`` (``data_source``, ``extra_info``).
+        client: Serves every role (one model for all roles; pass a routing client for several).
+        tokenizer: Renders prompts with its chat template.
+        config: Branching, turns, alpha (use ``branching=1`` for single-sample accuracy).
+
+    Returns:
+        ``success_rate/<data_source>``, ``success_rate`` (all rows) and the mean of every ``mas/*`` metric.
+    """
+
+    async def one(i: int, row: dict[str, Any]) -> tuple[str, dict[str, float]]:
+        extra = row["extra_info"]
+        task = json.loads(extra["task"]) if isinstance(extra["task"], str) else extra["task"]
+        episode = await run_episode(
+            extra["workflow"], task, client=client, tokenizer=tokenizer, config=config, seed=seed + i,
+            task_uid=f"eval-{i}",
+        )
+        return row["data_source"], episode.metrics
+
+    results = await asyncio.gather(*(one(i, row) for i, row in enumerate(rows)))
+    by_source: dict[str, list[float]] = defaultdict(list)
+    sums: dict[str, list[float]] = defaultdict(list)
+    for source, metrics in results:
+        if "mas/success" not in metrics:
+            raise ValueError(
+                f"workflow {source!r} reports no 'mas/success' metric, so accuracy is undefined; set "
+                "self.metrics['mas/success'] = 1.0 or 0.0 at the end of Workflow.run."
+            )
+        by_source[source].append(metrics["mas/success"])
+        for key, value in metrics.items():
+            if math.isfinite(value):
+                sums[key].append(value)
+    report = {f"success_rate/{source}": sum(v) / len(v) for source, v in sorted(by_source.items())}
+    all_success = [s for v in by_source.values() for s in v]
+    report["success_rate"] = sum(all_success) / len(all_success) if all_success else float("nan")
+    report["episodes"] = float(len(results))
+    report.update({key: sum(v) / len(v) for key, v in sorted(sums.items())})
+    return report
+
+
+def _read_rows(path: str) -> list[dict[str, Any]]:
+    import pandas as pd
+
+    return pd.read_parquet(path).to_dict(orient="records")
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m verl_mas.evaluate", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--data", required=True, nargs="+", help="parquet split(s) from python -m verl_mas.data")
+    parser.add_argument("--model", required=True, help="local transformers model directory (with its tokenizer)")
+    parser.add_argument("--branching", type=int, default=1, help="K candidates per node (1: single-sample accuracy)")
+    parser.add_argument("--max-turns", type=int, default=4)
+    parser.add_argument("--alpha", type=float, default=1.0)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--limit", type=int, default=None, help="evaluate the first N rows only")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", default=None, help="also write the report to this file")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+
+    from transformers import AutoTokenizer
+
+    rows = [row for path in args.data for row in _read_rows(path)][: args.limit]
+    client = LocalModelClient(args.model, temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
+    config = EpisodeConfig(branching=args.branching, max_turns=args.max_turns, alpha=args.alpha)
+    report = asyncio.run(
+        evaluate(rows, client=client, tokenizer=AutoTokenizer.from_pretrained(args.model), config=config, seed=args.seed)
+    )
+    for key, value in report.items():
+        print(f"{key:<40} {value:.4f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
