@@ -32,6 +32,8 @@ class RunPlan:
     """(hidden directory, interpreter trees re-exposed read-only inside it)."""
     nproc_per_userns: bool
     """Apply RLIMIT_NPROC without a dedicated uid (a run's own user namespace on Linux >= 5.14)."""
+    tmp_exposed: tuple[str, ...] = ()
+    """Interpreter trees under ``/tmp``, bound back read-only into each run's private ``/tmp``."""
 
 
 def run_helper(plan: RunPlan, run: dict, fds: list[int], rep_w: int, alive_r: int, prot: dict[str, bool],
@@ -122,6 +124,7 @@ def setup_fs(plan: RunPlan, run: dict, uid: int | None, prot: dict[str, bool]) -
     linux.mount(None, "/", None, linux.MS_REC | linux.MS_PRIVATE)  # nothing below propagates to the host
     staging_fd = os.open(run["staging"], os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     expose_fds = {e: os.open(e, os.O_PATH) for _, exposed in plan.masks for e in exposed}
+    tmp_fds = {e: os.open(e, os.O_PATH) for e in plan.tmp_exposed}
     linux.make_readonly("/", recursive=True)
     for mask, exposed in plan.masks:
         linux.mount("tmpfs", mask, "tmpfs", linux.MS_NOSUID | linux.MS_NODEV, "size=64k,mode=0755")
@@ -137,6 +140,11 @@ def setup_fs(plan: RunPlan, run: dict, uid: int | None, prot: dict[str, bool]) -
                 f"size={run['disk_bytes']},mode=0700{owner}")
     linux.copy_tree(staging_fd, "/tmp", uid)
     os.close(staging_fd)
+    for e, fd in tmp_fds.items():
+        os.makedirs(e, mode=0o755, exist_ok=True)
+        linux.mount(f"/proc/self/fd/{fd}", e, None, linux.MS_BIND | linux.MS_REC)
+        linux.make_readonly(e, recursive=True)
+        os.close(fd)
     if os.path.isdir("/dev/shm"):
         linux.mount("tmpfs", "/dev/shm", "tmpfs", linux.MS_NOSUID | linux.MS_NODEV,
                     f"size={run['disk_bytes']},mode=1777")

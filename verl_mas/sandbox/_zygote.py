@@ -72,6 +72,7 @@ class Zygote:
         self.pidns_fd = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC) if self.is_root else -1
         self.problems: list[str] = []
         self.masks: list[tuple[str, tuple[str, ...]]] = []
+        self.tmp_exposed: tuple[str, ...] = ()  # interpreter trees under /tmp, which each run replaces
         self.plan = runinit.RunPlan(self.pid, cfg["uid_base"], (), nproc_per_userns=False)
         self.prot = dict.fromkeys(PROTECTIONS, False)
         self.wake_r, self.wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
@@ -106,6 +107,9 @@ class Zygote:
         for path in sorted(os.path.realpath(p) for p in needed if p and os.path.exists(p)):
             if not any(path == e or path.startswith(e + "/") for e in exposed):
                 exposed.append(path)
+        # Each run mounts a private tmpfs on /tmp: an interpreter living under /tmp (a checkout or a virtual
+        # environment there, as CI clones often are) must be bound back into it, read-only.
+        self.tmp_exposed = tuple(e for e in exposed if e.startswith("/tmp/"))
         masks = {os.path.realpath(h) for h in self.cfg["hidden_paths"] if os.path.isdir(h)}
         if self.is_root:  # the slot uid is an "other": it needs o+x on every ancestor of what it runs
             for path in exposed:
@@ -138,7 +142,8 @@ class Zygote:
                 # makes max_procs a per-run limit; earlier it would count all of this user's processes.
                 release = tuple(int(x) for x in os.uname().release.split(".")[:2] if x.isdigit())
                 self.plan = runinit.RunPlan(self.pid, self.cfg["uid_base"], tuple(self.masks),
-                                            not self.is_root and any(prot.values()) and release >= (5, 14))
+                                            not self.is_root and any(prot.values()) and release >= (5, 14),
+                                            self.tmp_exposed)
                 error = self._probe(prot)
                 if error is None:
                     self.prot = prot
