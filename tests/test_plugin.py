@@ -39,6 +39,9 @@ REGISTRY_PROBE = """
         "platforms": sorted(PlatformRegistry.registered_names()),
         "rollout_replicas": sorted(RolloutReplicaRegistry._registry),
         "rollout_adapter": _ROLLOUT_REGISTRY.get(("hf", "async")),
+        "estimator": __import__("verl.trainer.ppo.core_algos", fromlist=["x"]).ADV_ESTIMATOR_REGISTRY["at_grpo"].__module__,
+        "agent_loop": __import__("verl.experimental.agent_loop.agent_loop", fromlist=["x"])._agent_loop_registry["mas"],
+        "trainer": __import__("verl.trainer.ppo.v1", fromlist=["x"]).get_trainer_cls("mas").__module__,
     }))
 """
 
@@ -56,6 +59,9 @@ def test_import_verl_registers_the_plugin_in_a_fresh_interpreter() -> None:
     assert "cpu" in state["platforms"]
     assert "hf" in state["rollout_replicas"]
     assert state["rollout_adapter"] == "verl_mas.backends.hf_rollout.HFServerAdapter"
+    assert state["estimator"] == "verl_mas.advantage.at_grpo"
+    assert state["agent_loop"] == {"_target_": "verl_mas.agent_loop.MasAgentLoop"}
+    assert state["trainer"] == "verl_mas.trainer"
     # Registration is silent when it works.
     assert "verl_mas failed to register" not in proc.stderr
 
