@@ -10,6 +10,11 @@ at which success reached the threshold (``-`` if never):
 - ``parallel``: K independent episodes per task with (task, role, turn) groups (the paper's ablation:
   after the first turn the K members of a group no longer share a prompt).
 
+Caveat: the printed success is that of the *training* episodes. Under tree sampling every node commits
+the best of K candidates, so its success is above single-sample accuracy; under parallel sampling each
+episode is one sample. The fair comparison is single-sample test accuracy of the trained models
+(``python -m verl_mas.evaluate --branching 1`` on merged checkpoints), which this script does not do yet.
+
 Usage (about 10 minutes per run on 2 cores; 9 runs by default):
     python bench/bench_learning.py --steps 60 --seeds 0 1 2 [--workflow relay-v0] [--threshold 0.6]
 """
