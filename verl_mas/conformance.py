@@ -9,13 +9,15 @@ consistently, every candidate rewarded with a finite float, one prompt per group
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Coroutine, Sequence
+from typing import Any, TypeVar
 
 from verl_mas.episode import Episode
 from verl_mas.errors import LLMClientError, WorkflowError
 from verl_mas.registry import get_workflow, workflow_name
 from verl_mas.workflow import Workflow, validate_workflow_class
+
+T = TypeVar("T")
 
 __all__ = ["WorkflowCheckError", "acheck_workflow", "check_workflow"]
 
@@ -91,6 +93,20 @@ def _token_drift(ep: Episode, tokenizer: Any) -> list[str]:
                 )
                 break
     return problems
+
+
+def run_sync(what: str, instead: str, coro: Coroutine[Any, Any, T]) -> T:
+    """Run ``coro`` to completion from synchronous code (the sync twins of the async test helpers).
+
+    Raises:
+        RuntimeError: When called from a running event loop, where ``instead`` must be awaited.
+    """
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    coro.close()  # never started: close it so Python does not warn that it was never awaited
+    raise RuntimeError(f"{what} cannot run inside a running event loop (e.g. an async test); use `{instead}` there.")
 
 
 async def acheck_workflow(
@@ -208,15 +224,9 @@ def check_workflow(
     Raises:
         WorkflowCheckError: Listing every problem found.
     """
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        pass
-    else:
-        raise RuntimeError(
-            "check_workflow() cannot run inside a running event loop; `await acheck_workflow(...)` there."
-        )
-    return asyncio.run(
+    return run_sync(
+        "check_workflow()",
+        "await verl_mas.testing.acheck_workflow(...)",
         acheck_workflow(
             workflow,
             task,

@@ -22,7 +22,7 @@ from typing import Any
 
 from verl_mas.chat import Message
 from verl_mas.client import GenerateRequest, Sample, fan_out
-from verl_mas.conformance import WorkflowCheckError, acheck_workflow, check_workflow
+from verl_mas.conformance import WorkflowCheckError, acheck_workflow, check_workflow, run_sync
 from verl_mas.engine import run_episode
 from verl_mas.episode import Episode, EpisodeConfig
 from verl_mas.registry import get_workflow
@@ -299,16 +299,9 @@ def run_workflow(
     Raises:
         RuntimeError: When called from a running event loop; ``await arun_workflow(...)`` there.
     """
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        pass
-    else:
-        raise RuntimeError(
-            "run_workflow() cannot run inside a running event loop (e.g. an async test); "
-            "use `await verl_mas.testing.arun_workflow(...)` there."
-        )
-    return asyncio.run(
+    return run_sync(
+        "run_workflow()",
+        "await verl_mas.testing.arun_workflow(...)",
         arun_workflow(
             workflow,
             task,
