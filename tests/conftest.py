@@ -21,6 +21,24 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny(tmp_path_factory.mktemp("tiny") / "model")
 
 
+@pytest.fixture
+def procs_of():
+    """``procs_of(uids)``: pids of live processes owned by any of ``uids`` (a sandbox's slot uids)."""
+
+    def live(uids: range) -> list[int]:
+        found = []
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                try:
+                    if os.stat(f"/proc/{entry}").st_uid in uids:
+                        found.append(int(entry))
+                except FileNotFoundError:  # the process exited while we looked
+                    pass
+        return found
+
+    return live
+
+
 # ---- figures: tests print measured numbers as "[topic] ..." lines; the summary repeats them ----------
 _FIGURE = re.compile(r"^\[[a-z0-9][a-z0-9-]*\] ")
 _figures: list[str] = []

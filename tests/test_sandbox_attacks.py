@@ -32,17 +32,6 @@ def _code(src: str) -> str:
     return textwrap.dedent(src).lstrip("\n")
 
 
-def _procs_of(uids: range) -> list[int]:
-    """Pids of live processes owned by any of ``uids`` (the sandbox's slot uids)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                if os.stat(f"/proc/{entry}").st_uid in uids:
-                    found.append(int(entry))
-            except FileNotFoundError:
-                pass
-    return found
 
 
 def _procs_with_marker(marker: str) -> list[int]:
@@ -72,12 +61,12 @@ def box(work_root):
 
 
 @pytest.fixture
-async def sb(box, work_root):
+async def sb(box, work_root, procs_of):
     """The shared sandbox; after each test: nothing of the sandbox is left running or on disk."""
     await box.start()
     assert dict(box.protections) == dict.fromkeys(PROTECTIONS, True)
     yield box
-    assert _procs_of(box.uids) == []
+    assert procs_of(box.uids) == []
     assert os.listdir(work_root) == []
 
 
@@ -94,7 +83,7 @@ async def test_infinite_loop_is_killed_at_the_wall_clock(sb):
     assert r.isolation == dict.fromkeys(PROTECTIONS, True)
 
 
-async def test_fork_bomb_is_capped_and_torn_down(sb):
+async def test_fork_bomb_is_capped_and_torn_down(sb, procs_of):
     # Counting bomb: fork sleeping children until fork fails. RLIMIT_NPROC counts every process of the slot's
     # uid, and the slot is exclusive, so main (1) + children (n) <= MAX_PROCS: exactly MAX_PROCS - 1 = 15.
     counting = _code("""
@@ -113,12 +102,12 @@ async def test_fork_bomb_is_capped_and_torn_down(sb):
     """)
     r = await sb.run_python(counting)
     assert r.ok and r.stdout == f"{MAX_PROCS - 1}\n"
-    assert _procs_of(sb.uids) == []  # the 15 sleepers died with the run
+    assert procs_of(sb.uids) == []  # the 15 sleepers died with the run
     # Classic bomb: every process forks forever; the wall clock ends it and the PID namespace takes all.
     r = await sb.run_python("import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n",
                             timeout_s=2)
     assert r.timed_out and r.killed_reason == "timeout"
-    assert _procs_of(sb.uids) == []
+    assert procs_of(sb.uids) == []
     assert _host_can_spawn()
 
 
@@ -207,7 +196,7 @@ async def test_writes_outside_the_run_directory_are_denied(sb, tmp_path):
         var_dir.rmdir()
 
 
-async def test_parent_environment_is_not_readable(box, work_root, monkeypatch):
+async def test_parent_environment_is_not_readable(box, work_root, monkeypatch, procs_of):
     secret = f"tok_{uuid.uuid4().hex}"
     monkeypatch.setenv("VERL_MAS_TEST_SECRET", secret)
     assert os.environ["VERL_MAS_TEST_SECRET"] == secret  # positive control: the host has it
@@ -231,7 +220,7 @@ async def test_parent_environment_is_not_readable(box, work_root, monkeypatch):
         # Only the run's own PID namespace is visible: its init (1) and the program (2).
         assert lines[1] == "['1', '2']"
         assert lines[4] == f"{os.getpid()} denied 2"  # ENOENT: the host pid does not exist in there
-        assert _procs_of(fresh.uids) == []
+        assert procs_of(fresh.uids) == []
     finally:
         fresh.close()
 
@@ -279,7 +268,7 @@ async def test_network_is_unreachable_even_on_loopback(sb):
         thread.join(timeout=5)
 
 
-async def test_background_process_does_not_outlive_the_program(sb):
+async def test_background_process_does_not_outlive_the_program(sb, procs_of):
     marker = f"verl_mas_daemon_{uuid.uuid4().hex}"
     program = _code(f"""
         import os, sys
@@ -294,7 +283,7 @@ async def test_background_process_does_not_outlive_the_program(sb):
     r = await sb.run_python(program)
     assert r.ok and r.stdout == "parent exits\n"
     assert _procs_with_marker(marker) == []
-    assert _procs_of(sb.uids) == []
+    assert procs_of(sb.uids) == []
 
 
 async def test_reading_stdin_past_eof_does_not_hang(sb):

@@ -28,16 +28,6 @@ from verl_mas.sandbox import (
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the local sandbox backend is Linux-only")
 
 
-def _procs_of(uids: range) -> list[int]:
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                if os.stat(f"/proc/{entry}").st_uid in uids:
-                    found.append(int(entry))
-            except FileNotFoundError:
-                pass
-    return found
 
 
 @pytest.fixture(scope="module")
@@ -167,7 +157,7 @@ async def test_pool_bounds_concurrency_without_blocking_the_loop(work_root):
         small.close()
 
 
-async def test_cancelled_run_is_killed_and_its_slot_reused(sb, work_root):
+async def test_cancelled_run_is_killed_and_its_slot_reused(sb, work_root, procs_of):
     task = asyncio.create_task(sb.run_python("import time\ntime.sleep(60)\n"))
     await asyncio.sleep(1.0)
     task.cancel()
@@ -177,12 +167,12 @@ async def test_cancelled_run_is_killed_and_its_slot_reused(sb, work_root):
         if not sb._runs:
             break
         await asyncio.sleep(0.05)
-    assert _procs_of(sb.uids) == [] and os.listdir(work_root) == []
+    assert procs_of(sb.uids) == [] and os.listdir(work_root) == []
     assert (await sb.run_python("print('next')")).stdout == "next\n"
 
 
 # ---------------------------------------------------------------------------------------------- failures
-async def test_infrastructure_failure_raises_and_recovers(work_root):
+async def test_infrastructure_failure_raises_and_recovers(work_root, procs_of):
     fragile = LocalSandbox(SandboxConfig(timeout_s=30, pool_size=2, work_root=str(work_root)))
     try:
         await fragile.start()
@@ -192,10 +182,10 @@ async def test_infrastructure_failure_raises_and_recovers(work_root):
         with pytest.raises(SandboxError, match="fork server exited"):
             await task
         for _ in range(100):  # its run dies with it (parent-death signals down the tree)
-            if not _procs_of(fragile.uids):
+            if not procs_of(fragile.uids):
                 break
             await asyncio.sleep(0.05)
-        assert _procs_of(fragile.uids) == []
+        assert procs_of(fragile.uids) == []
         r = await fragile.run_python("print('back')")  # a new fork server is started
         assert r.stdout == "back\n"
     finally:
