@@ -10,12 +10,18 @@ at which success reached the threshold (``-`` if never):
 - ``parallel``: K independent episodes per task with (task, role, turn) groups (the paper's ablation:
   after the first turn the K members of a group no longer share a prompt).
 
-Caveat: the printed success is that of the *training* episodes. Under tree sampling every node commits
-the best of K candidates, so its success is above single-sample accuracy; under parallel sampling each
-episode is one sample. The fair comparison is single-sample test accuracy of the trained models
-(``python -m verl_mas.evaluate --branching 1`` on merged checkpoints), which this script does not do yet.
+Two figures per run:
 
-Usage (about 10 minutes per run on 2 cores; 9 runs by default):
+- ``train``: success of the *training* episodes, mean of the last 5 steps. Under tree sampling every node
+  commits the best of K candidates, so it is above what the policy achieves with one sample; under
+  parallel sampling every episode is one sample. Not comparable across configurations.
+- ``test``: single-sample team success on the held-out tasks (verl's validation with ``mas.val_branching=1``
+  and ``val_kwargs`` greedy decoding: ``val-core/<source>/acc/mean@1``) before training and after the
+  last step. This is the fair comparison.
+
+Steps-to-threshold uses the training success (the only per-step figure).
+
+Usage (10-16 minutes per run on 2 cores; 9 runs by default, seeds in the outer loop):
     python bench/bench_learning.py --steps 60 --seeds 0 1 2 [--workflow relay-v0] [--threshold 0.6]
 """
 
@@ -45,16 +51,26 @@ def run_one(name: str, seed: int, steps: int, workflow: str, work: Path) -> list
     env = {k: v for k, v in os.environ.items() if not k.startswith("VERL_")}
     env.update(PYTHON=sys.executable, VERL_MAS_RUN_DIR=str(run_dir), WORKFLOW=workflow)
     overrides = [*CONFIGS[name], f"trainer.total_training_steps={steps}", f"actor_rollout_ref.actor.data_loader_seed={seed}",
-                 f"data.seed={seed}", f"trainer.experiment_name={name}-seed{seed}"]
+                 f"data.seed={seed}", f"trainer.experiment_name={name}-seed{seed}",
+                 # validation (single-sample, greedy) before training and after the last step
+                 "trainer.val_before_train=True", f"trainer.test_freq={steps}"]
     proc = subprocess.run(["bash", str(RECIPE), *overrides], env=env, capture_output=True, text=True, cwd=work)
     if proc.returncode != 0:
         raise RuntimeError(f"{name} seed {seed} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+def test_success(record: dict) -> float | None:
+    """verl's validation metric for the mas agent loop's ``acc`` (single-sample team success), if logged."""
+    for key, value in record["data"].items():
+        if key.startswith("val-core/") and key.endswith("/acc/mean@1"):
+            return float(value)
+    return None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--workflow", default="relay-v0")
     parser.add_argument("--threshold", type=float, default=0.6)
@@ -62,20 +78,36 @@ def main() -> None:
     args = parser.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="verl_mas_bench_learning_"))
-    print(f"workflow {args.workflow}, {args.steps} steps, seeds {args.seeds}, threshold {args.threshold}; runs in {work}")
-    print(f"{'config':>10} | {'seed':>4} | {'success@1':>9} | {'final':>6} | {'steps to thr':>12} | {'wall':>6}")
-    for name in args.configs:
-        finals = []
-        for seed in args.seeds:
+    print(f"workflow {args.workflow}, {args.steps} steps, seeds {args.seeds}, threshold {args.threshold} (train "
+          f"success); runs in {work}", flush=True)
+    print(f"{'config':>10} | {'seed':>4} | {'test@0':>6} | {'test@end':>8} | {'train@1':>7} | {'train end':>9} | "
+          f"{'steps to thr':>12} | {'wall':>6}", flush=True)
+    results: dict[str, list[tuple[float, float]]] = {name: [] for name in args.configs}
+    for seed in args.seeds:
+        for name in args.configs:
             start = time.perf_counter()
             metrics = run_one(name, seed, args.steps, args.workflow, work)
-            success = [m["data"].get("mas/success_rate", float("nan")) for m in metrics]
-            reached = next((m["step"] for m, s in zip(metrics, success) if s >= args.threshold), None)
-            final = sum(success[-5:]) / len(success[-5:])  # mean of the last 5 steps: less noisy than one step
-            finals.append(final)
-            print(f"{name:>10} | {seed:>4} | {success[0]:>9.2f} | {final:>6.2f} | {reached if reached else '-':>12} | "
-                  f"{time.perf_counter() - start:>5.0f}s")
-        print(f"{name:>10} | mean | {'':>9} | {sum(finals) / len(finals):>6.2f} |")
+            tests = [(m["step"], test_success(m)) for m in metrics if test_success(m) is not None]
+            train = [m["data"]["mas/success_rate"] for m in metrics if "mas/success_rate" in m["data"]]
+            reached = next((m["step"] for m in metrics if m["data"].get("mas/success_rate", 0) >= args.threshold), None)
+            final_train = sum(train[-5:]) / len(train[-5:])  # mean of the last 5 steps: less noisy than one step
+            first_test, last_test = tests[0][1], tests[-1][1]
+            results[name].append((last_test, final_train))
+            print(f"{name:>10} | {seed:>4} | {first_test:>6.2f} | {last_test:>8.2f} | {train[0]:>7.2f} | "
+                  f"{final_train:>9.2f} | {reached if reached else '-':>12} | {time.perf_counter() - start:>5.0f}s",
+                  flush=True)
+    for name, rows in results.items():
+        if rows:
+            tests_end = [r[0] for r in rows]
+            trains_end = [r[1] for r in rows]
+            print(f"{name:>10} | mean of {len(rows)} seeds: test@end {sum(tests_end) / len(rows):.3f} "
+                  f"(min {min(tests_end):.2f}, max {max(tests_end):.2f}), train end {sum(trains_end) / len(rows):.3f}")
+    base = results.get("at_grpo")
+    for name, rows in results.items():
+        if name != "at_grpo" and base and rows:
+            a = sum(r[0] for r in base) / len(base)
+            b = sum(r[0] for r in rows) / len(rows)
+            print(f"test@end at_grpo - {name}: {a - b:+.3f}")
 
 
 if __name__ == "__main__":

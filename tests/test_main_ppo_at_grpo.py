@@ -26,7 +26,8 @@ def test_at_grpo_trains_a_two_role_workflow_through_main_ppo(tmp_path: Path) -> 
     env.update(PYTHON=sys.executable, VERL_MAS_RUN_DIR=str(run_dir))
     # 8 tasks a step keeps the test short; one PPO mini-batch of 8 tasks.
     proc = subprocess.run(
-        ["bash", str(RECIPE), f"trainer.total_training_steps={STEPS}", "data.train_batch_size=8"],
+        ["bash", str(RECIPE), f"trainer.total_training_steps={STEPS}", "data.train_batch_size=8",
+         f"trainer.test_freq={STEPS}"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1500,
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-5000:]
@@ -53,6 +54,12 @@ def test_at_grpo_trains_a_two_role_workflow_through_main_ppo(tmp_path: Path) -> 
         assert d["mas/episodes"] == 8.0
         # The rollout samples from the weights being trained.
         assert d["training/rollout_probs_diff_mean"] < 1e-6
+    # Validation after the last step: single-sample (mas.val_branching=1) greedy episodes on the 16 test tasks,
+    # reported by verl as val-core/<data source>/acc/mean@1 from the agent loop's reward_extra_info.
+    val = {k: v for k, v in metrics[-1]["data"].items() if k.startswith("val-core/")}
+    print(f"[main-ppo-at-grpo] validation after step {STEPS}: {val}")
+    assert list(val) == ["val-core/relay-v0/acc/mean@1"] and 0.0 <= val["val-core/relay-v0/acc/mean@1"] <= 1.0
+    assert not any(k.startswith("val-") for m in metrics[:-1] for k in m["data"])
     # Across the run some groups have reward variance, so advantages are non-zero and the policy moves.
     assert max(m["data"]["critic/advantages/max"] for m in metrics) > 0
     assert min(m["data"]["critic/advantages/min"] for m in metrics) < 0

@@ -67,9 +67,9 @@ def _make_loop(tiny_model_dir: Path, mas_block: dict):
 SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "repetition_penalty": 1.0, "logprobs": True}
 
 
-def _row(uid: str, task: dict) -> dict:
+def _row(uid: str, task: dict, split: str = "train") -> dict:
     return {"uid": uid, "session_id": 0, "index": 0,
-            "extra_info": {"workflow": "toy-walk-v0", "task": json.dumps(task), "index": 0, "split": "train"}}
+            "extra_info": {"workflow": "toy-walk-v0", "task": json.dumps(task), "index": 0, "split": split}}
 
 
 async def test_one_output_per_candidate_with_consistent_masks_logprobs_and_groups(tiny_model_dir: Path) -> None:
@@ -104,6 +104,19 @@ async def test_one_output_per_candidate_with_consistent_masks_logprobs_and_group
     assert torch.allclose(torch.tensor(out.response_logprobs), ref, atol=1e-5)
     # Every output carries the same field names (verl's multi-output schema comes from the first one).
     assert len({tuple(sorted(o.extra_fields)) for o in outputs}) == 1
+
+
+async def test_validation_rows_run_single_sample_episodes_and_report_success_as_acc(tiny_model_dir: Path) -> None:
+    loop, client, _ = _make_loop(tiny_model_dir, {"branching": 3, "max_turns": 2})
+    # A test-split row (verl's validation set as python -m verl_mas.data writes it): mas.val_branching=1,
+    # so 2 turns x 2 roles x 1 candidate = 4 requests (a training row of the same task makes 12, above).
+    outputs = await loop.run(dict(SAMPLING), **_row("taskV", {"start": 0, "goal": 5}, split="test"))
+    assert client.calls == 4 and len(outputs) == 4
+    assert all(o.extra_fields["mas_committed"] for o in outputs)
+    # goal 5 is unreachable in 2 turns: the team fails, and verl's validation reads acc from reward_extra_info.
+    assert {tuple(o.extra_fields["reward_extra_info"].items()) for o in outputs} == {(("acc", 0.0),)}
+    loop3, client3, _ = _make_loop(tiny_model_dir, {"branching": 3, "max_turns": 2, "val_branching": 2})
+    assert len(await loop3.run(dict(SAMPLING), **_row("taskV", {"start": 0, "goal": 5}, split="test"))) == 8
 
 
 async def test_grouping_passes_on_real_rows_and_a_broken_key_is_caught(tiny_model_dir: Path) -> None:

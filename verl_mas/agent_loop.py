@@ -107,12 +107,15 @@ class MasAgentLoop(AgentLoopBase):
                 "return them. Set actor_rollout_ref.rollout.calculate_log_probs=True."
             )
         client = VerlServerClient(self.server_manager, sampling_params)
+        # verl does not tell an agent loop whether it runs a validation step; validation rows carry the
+        # split python -m verl_mas.data wrote into extra_info.
+        validate = (kwargs.get("extra_info") or {}).get("split") == "test"
         episode = await run_episode(
             workflow_id,
             task,
             client=client,
             tokenizer=self.tokenizer,
-            config=self.mas_config.episode_config,
+            config=self.mas_config.episode_config_for(validate=validate),
             seed=episode_seed(uid, session_id),
             task_uid=uid,
         )
@@ -140,9 +143,13 @@ class MasAgentLoop(AgentLoopBase):
         trainable = [c for c in episode.candidates if c.trainable]
         steps = [int(c.extra.get("global_steps", 0) or 0) for c in trainable] or [0]
         episode_metrics = {k: float(v) for k, v in episode.metrics.items()}
+        # verl's validation reports reward_extra_info per data source; "acc" becomes val-core/<source>/acc.
+        reward_extra_info = {"acc": episode_metrics["mas/success"]} if "mas/success" in episode_metrics else {}
         outputs = []
         for i, cand in enumerate(trainable):
-            outputs.append(self._output(cand, i, episode, workflow_id, episode_metrics, min(steps), max(steps)))
+            outputs.append(
+                self._output(cand, i, episode, workflow_id, episode_metrics, reward_extra_info, min(steps), max(steps))
+            )
         return outputs
 
     def _output(
@@ -152,6 +159,7 @@ class MasAgentLoop(AgentLoopBase):
         episode: Episode,
         workflow_id: str,
         episode_metrics: dict[str, float],
+        reward_extra_info: dict[str, float],
         min_steps: int,
         max_steps: int,
     ) -> AgentLoopOutput:
@@ -178,7 +186,7 @@ class MasAgentLoop(AgentLoopBase):
             "mas_episode_index": index,
             "mas_episode_turns": int(episode.num_turns),
             "mas_episode_metrics": episode_metrics,
-            "reward_extra_info": {},
+            "reward_extra_info": dict(reward_extra_info),
             "global_steps": max_steps,
             "min_global_steps": min_steps,
             "max_global_steps": max_steps,

@@ -65,6 +65,11 @@ class MasConfig:
     """Models that serve roles. One (``default``, the verl actor) is supported today."""
     sandbox: Mapping[str, Any] = field(default_factory=dict)
     """Settings of the code sandbox (see ``verl_mas.sandbox``)."""
+    val_branching: int = 1
+    """K of validation episodes (rows whose ``extra_info.split`` is ``test``, as ``python -m verl_mas.data``
+    writes them). 1 (default): every node commits its only sample, so verl's ``val-core/<source>/acc``
+    is single-sample team success, comparable across sampling modes (training success under tree
+    sampling includes best-of-K commits)."""
     request_timeout_s: float | None = None
     """Per-group timeout of a model request (an infrastructure failure, never a training sample)."""
     replay_poll_interval_s: float = 0.2
@@ -79,6 +84,8 @@ class MasConfig:
         out: list[str] = []
         if not isinstance(self.branching, int) or self.branching < 1:
             out.append(f"mas.branching is {self.branching!r}; it must be an integer >= 1 (the paper uses 4).")
+        if not isinstance(self.val_branching, int) or self.val_branching < 1:
+            out.append(f"mas.val_branching is {self.val_branching!r}; it must be an integer >= 1 (1: single-sample).")
         if not self.replay_poll_interval_s > 0:
             out.append(f"mas.replay_poll_interval_s is {self.replay_poll_interval_s!r}; it must be > 0 seconds.")
         if not isinstance(self.max_turns, int) or self.max_turns < 1:
@@ -120,9 +127,13 @@ class MasConfig:
 
     @property
     def episode_config(self) -> EpisodeConfig:
-        """The engine's view of this block."""
+        """The engine's view of this block (training episodes)."""
+        return self.episode_config_for(validate=False)
+
+    def episode_config_for(self, *, validate: bool) -> EpisodeConfig:
+        """The engine's view of this block for training or validation episodes."""
         return EpisodeConfig(
-            branching=self.branching,
+            branching=self.val_branching if validate else self.branching,
             max_turns=self.max_turns,
             alpha=float(self.alpha),
             tie_break=self.tie_break,
