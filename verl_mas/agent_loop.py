@@ -21,7 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopMetrics, AgentLoopOutput
@@ -56,12 +56,18 @@ class VerlServerClient:
     prompt ids. Ray and server failures are infrastructure failures: the candidate is dropped.
     """
 
-    def __init__(self, server_manager: Any, sampling_params: Mapping[str, Any]) -> None:
+    def __init__(
+        self, server_manager: Any, sampling_params: Mapping[str, Any], policy_of: Callable[[str], str] | None = None
+    ) -> None:
         self.server_manager = server_manager
         self.sampling_params = dict(sampling_params)
+        # With several policies each role's requests carry its policy (verl_mas.policies.PolicyRouterClient).
+        self.policy_of = policy_of
 
     async def generate(self, request: GenerateRequest) -> list[Sample]:
         import ray
+
+        routing = {"policy": self.policy_of(request.role)} if self.policy_of is not None else {}
 
         async def one(i: int) -> Sample:
             try:
@@ -69,6 +75,7 @@ class VerlServerClient:
                     request_id=request.session_id,
                     prompt_ids=list(request.prompt_ids),
                     sampling_params=dict(self.sampling_params),
+                    **routing,
                 )
             except ray.exceptions.RayError as exc:
                 raise InfraError(f"rollout server failed for group {request.group_key}: {exc}") from exc
@@ -106,7 +113,8 @@ class MasAgentLoop(AgentLoopBase):
                 "The mas agent loop trains on the rollout log-probs of every candidate, but the rollout does not "
                 "return them. Set actor_rollout_ref.rollout.calculate_log_probs=True."
             )
-        client = VerlServerClient(self.server_manager, sampling_params)
+        policy_of = self.mas_config.policy_of if self.mas_config.multi_policy else None
+        client = VerlServerClient(self.server_manager, sampling_params, policy_of=policy_of)
         # verl does not tell an agent loop whether it runs a validation step; validation rows carry the
         # split python -m verl_mas.data wrote into extra_info.
         validate = (kwargs.get("extra_info") or {}).get("split") == "test"
@@ -175,6 +183,7 @@ class MasAgentLoop(AgentLoopBase):
         extra = {
             "mas_workflow": workflow_id,
             "mas_role": cand.role,
+            "mas_policy": self.mas_config.policy_of(cand.role),
             "mas_turn": int(cand.turn),
             "mas_group": cand.group_key,
             "mas_reward": reward,

@@ -8,8 +8,14 @@ A recipe adds this block next to verl's own (``algorithm``, ``actor_rollout_ref`
       alpha: 1.0              # reward = alpha * team + local
       grouping: agent_turn    # agent_turn | agent | trajectory
       sampling: tree          # tree | parallel
-      roles: {}               # role -> {policy: name}; empty: every role on the "default" policy
-      policies: {default: {}} # one policy (shared model) today; one model per role later
+      roles: {}               # role -> {policy: name}; may be empty with one policy
+      policies: {default: {}} # name -> overrides of actor_rollout_ref (one entry: a shared model)
+
+Three levels, by config alone (see docs/policies.md):
+
+- shared: one policy (the default) serves every role;
+- per-role models: ``policies: {caller: {}, runner: {model: {path: ...}}}`` and every role routed;
+- per-role LoRA: every policy sets ``model: {lora_rank: r}`` on the same base model.
 
 The agent loop (in verl's agent-loop workers) and the ``mas`` trainer (in verl's TaskRunner) both read it
 from verl's config, so both see the same validated values.
@@ -17,6 +23,7 @@ from verl's config, so both see the same validated values.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -29,6 +36,9 @@ GROUPINGS = ("agent_turn", "agent", "trajectory")
 SAMPLINGS = ("tree", "parallel")
 SINGLETONS = ("zero", "raw")
 DEFAULT_POLICY = "default"
+#: Blocks of verl's ``actor_rollout_ref`` a policy may override.
+POLICY_BLOCKS = ("model", "actor", "rollout", "ref")
+_POLICY_NAME = re.compile(r"[A-Za-z][A-Za-z0-9-]{0,31}")
 
 
 class MasConfigError(ValueError):
@@ -60,9 +70,13 @@ class MasConfig:
     workflow: str | None = None
     """Workflow id for rows that do not name one (rows from ``python -m verl_mas.data`` always do)."""
     roles: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
-    """Per-role settings: ``{role: {policy: <name in policies>}}``. Unlisted roles use ``default``."""
+    """Per-role settings: ``{role: {policy: <name in policies>}}``. With one policy unlisted roles use it;
+    with several, every role of the workflow must be listed."""
     policies: Mapping[str, Mapping[str, Any]] = field(default_factory=lambda: {DEFAULT_POLICY: {}})
-    """Models that serve roles. One (``default``, the verl actor) is supported today."""
+    """The models that serve roles: ``{name: overrides}``, each override a partial ``actor_rollout_ref``
+    (``model``, ``actor``, ``rollout``, ``ref`` blocks) applied on top of the recipe's. The first policy
+    runs in verl's own actor/rollout stack; every further one gets its own worker group, rollout
+    servers and weight sync."""
     sandbox: Mapping[str, Any] = field(default_factory=dict)
     """Settings of the code sandbox (see ``verl_mas.sandbox``)."""
     val_branching: int = 1
@@ -104,18 +118,7 @@ class MasConfig:
                 "independent episodes (actor_rollout_ref.rollout.n=K) with one candidate per node; set "
                 "mas.branching=1."
             )
-        if len(self.policies) != 1 or DEFAULT_POLICY not in self.policies:
-            out.append(
-                f"mas.policies is {sorted(self.policies)}; this version trains one shared policy, "
-                f"{DEFAULT_POLICY!r} (verl's actor_rollout_ref). One model per role is not available yet."
-            )
-        for role, settings in self.roles.items():
-            policy = (settings or {}).get("policy", DEFAULT_POLICY)
-            if policy not in self.policies:
-                out.append(
-                    f"mas.roles.{role}.policy is {policy!r}, which is not one of mas.policies {sorted(self.policies)}. "
-                    "Every role must be served by a declared policy; add it under mas.policies or fix the name."
-                )
+        out.extend(self._policy_problems())
         if self.sandbox:
             from verl_mas.sandbox import SandboxConfig
 
@@ -123,6 +126,91 @@ class MasConfig:
                 SandboxConfig.from_dict(dict(self.sandbox))
             except ValueError as exc:  # reported with the other problems, not swallowed
                 out.append(f"mas.sandbox: {exc}")
+        return out
+
+    def _policy_problems(self) -> list[str]:
+        out: list[str] = []
+        if not isinstance(self.policies, Mapping) or not self.policies:
+            return [f"mas.policies is {self.policies!r}; declare at least one policy, e.g. {{default: {{}}}}."]
+        for name, overrides in self.policies.items():
+            if not isinstance(name, str) or not _POLICY_NAME.fullmatch(name):
+                out.append(
+                    f"mas.policies has the name {name!r}; policy names start with a letter and use letters, digits "
+                    "and '-' (at most 32 characters): they name Ray actors and checkpoint folders."
+                )
+            if overrides is None:
+                continue
+            if not isinstance(overrides, Mapping):
+                out.append(f"mas.policies.{name} is {overrides!r}; it must be a mapping of actor_rollout_ref overrides.")
+                continue
+            unknown = sorted(set(overrides) - set(POLICY_BLOCKS))
+            if unknown:
+                out.append(
+                    f"mas.policies.{name} sets {unknown}; a policy overrides blocks of actor_rollout_ref "
+                    f"{list(POLICY_BLOCKS)} (e.g. model: {{path: ...}}, actor: {{optim: {{lr: ...}}}})."
+                )
+        used = set()
+        for role, settings in self.roles.items():
+            settings = settings or {}
+            if not isinstance(settings, Mapping) or set(settings) - {"policy"}:
+                out.append(f"mas.roles.{role} is {settings!r}; the only per-role setting is policy: <name>.")
+                continue
+            policy = settings.get("policy")
+            if policy is None and len(self.policies) == 1:
+                policy = next(iter(self.policies))
+            used.add(policy)
+            if policy not in self.policies:
+                out.append(
+                    f"mas.roles.{role}.policy is {policy!r}, which is not one of mas.policies {list(self.policies)}. "
+                    "Every role must be served by a declared policy; add it under mas.policies or fix the name."
+                )
+        if len(self.policies) > 1:
+            unused = [p for p in self.policies if p not in used]
+            if unused:
+                out.append(
+                    f"mas.policies {unused} serve no role. With several policies every policy must be routed: set "
+                    "mas.roles.<role>.policy for the roles it should serve, or remove it."
+                )
+        return out
+
+    @property
+    def policy_names(self) -> list[str]:
+        """The declared policies in order; the first runs in verl's own actor/rollout stack."""
+        return list(self.policies)
+
+    @property
+    def multi_policy(self) -> bool:
+        return len(self.policies) > 1
+
+    def policy_of(self, role: str) -> str:
+        """The policy that serves ``role``.
+
+        Raises:
+            MasConfigError: Several policies are declared and ``role`` is not routed to one.
+        """
+        settings = self.roles.get(role) or {}
+        policy = settings.get("policy")
+        if policy is not None:
+            return str(policy)
+        if len(self.policies) == 1:
+            return next(iter(self.policies))
+        raise MasConfigError(
+            f"Role {role!r} is not routed to a policy: mas.policies declares {list(self.policies)} and "
+            f"mas.roles has no entry for {role!r}. Add mas.roles.{role}.policy=<one of them>."
+        )
+
+    def routing_problems(self, roles_by_workflow: Mapping[str, tuple[str, ...]]) -> list[str]:
+        """Problems routing the roles of the given workflows (all unrouted roles, reported together)."""
+        if len(self.policies) == 1:
+            return []
+        out = []
+        for workflow_id, roles in sorted(roles_by_workflow.items()):
+            missing = [r for r in roles if (self.roles.get(r) or {}).get("policy") is None]
+            if missing:
+                out.append(
+                    f"workflow {workflow_id!r} has roles {missing} that no policy serves: with several policies "
+                    f"({list(self.policies)}) every role needs mas.roles.<role>.policy."
+                )
         return out
 
     @property

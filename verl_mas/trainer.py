@@ -14,15 +14,23 @@ step of verl's pipeline, the advantage computation:
 5. log ``mas/<role>/reward/mean``, ``mas/<role>/turns``, ``mas/success_rate``, ``mas/group/*`` and the
    parse/infrastructure failure counts.
 
-The routing table (role -> policy) holds one policy today; the trainer is written against it so that
-one model per role can split the batch by policy later.
+With several policies (``mas.policies``, one model or one LoRA adapter per role) the trainer also builds
+one actor/rollout stack per extra policy (:mod:`verl_mas.policies`), hands the agent loops a client that
+routes each role to its policy's servers, splits every batch by policy for log-probs and updates, syncs
+and sleeps every policy's rollout, and saves/loads every policy with the step (the first policy in
+``actor/`` as verl does, the others in ``actor_<policy>/``). Metrics of a per-policy computation are
+logged as ``policy/<name>/<metric>``; verl's own metric names carry the mean over policies.
 """
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import logging
 import math
+import os
 from collections import defaultdict
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,7 +44,8 @@ from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 
 from verl_mas.advantage.at_grpo import ESTIMATOR_NAME
 from verl_mas.advantage.groups import group_ids, group_key, group_stats, prompt_mismatches
-from verl_mas.config import MasConfig
+from verl_mas.config import MasConfig, MasConfigError
+from verl_mas.policies import PolicyRouterClient, PolicyStack, policy_configs
 
 logger = logging.getLogger(__name__)
 
@@ -55,11 +64,245 @@ class MasTrainer(PPOTrainerSync):
     def __init__(self, config: Any) -> None:
         self.mas = MasConfig.from_verl_config(config)
         self._check_algorithm(config)
-        # verl compares trainer_mode with the literal "sync" in several places (replay buffer, batch
-        # sizes); this mode is synchronous, so it presents itself as "sync" to the base class.
+        self._policy_configs = policy_configs(config.actor_rollout_ref, self.mas)
+        if self.mas.multi_policy:
+            _check_routing(config, self.mas)
+        primary = self.mas.policy_names[0]
         with open_dict(config):
+            # verl compares trainer_mode with the literal "sync" in several places (replay buffer, batch
+            # sizes); this mode is synchronous, so it presents itself as "sync" to the base class.
             config.trainer.v1.trainer_mode = "sync"
+            if self.mas.policies[primary]:  # the first policy runs in verl's own stack, with its overrides
+                config.actor_rollout_ref = self._policy_configs[primary]
+        self.stacks: dict[str, PolicyStack] = {}
+        self._policy_keys: dict[str, list[str]] = {}
+        self._resume_folder: str | None = None
+        self._last_server_stats: dict[str, dict[str, int]] = {}
         super().__init__(config)
+
+    # ---------------------------------------------------------------------------------------------
+    # Several policies: set-up, routing, weight sync, checkpoints
+    # ---------------------------------------------------------------------------------------------
+    def _init_resource_pool_mgr(self) -> None:
+        super()._init_resource_pool_mgr()
+        # Every policy's worker group shares the pool (one process per policy per GPU); verl's default
+        # allows 3 colocated groups per bundle.
+        needed = len(self.mas.policies) + 1
+        if self.resource_pool_manager.max_colocate_count < needed:
+            self.resource_pool_manager.max_colocate_count = needed
+
+    def _setup(self) -> None:
+        super()._setup()
+        primary = self.mas.policy_names[0]
+        self.stacks[primary] = PolicyStack(
+            name=primary,
+            config=self.config.actor_rollout_ref,
+            worker_group=self.actor_rollout_wg,
+            ref_worker_group=getattr(self, "ref_policy_wg", None),
+            ref_in_actor=self.ref_in_actor,
+            server_manager=self.llm_server_manager,
+            checkpoint_manager=self.checkpoint_manager,
+        )
+        for name in self.mas.policy_names[1:]:
+            self.stacks[name] = self._build_policy_stack(name, self._policy_configs[name])
+        if self._resume_folder is not None:
+            for name in self.mas.policy_names[1:]:
+                self.stacks[name].worker_group.load_checkpoint(
+                    local_path=os.path.join(self._resume_folder, f"actor_{name}"),
+                    del_local_after_load=self.config.trainer.del_local_ckpt_after_load,
+                )
+                logger.info("policy %s resumed from %s", name, self._resume_folder)
+
+    def _build_policy_stack(self, name: str, arr: Any) -> PolicyStack:
+        """One more trainable model: worker group on the shared pool, rollout replicas, weight sync."""
+        import ray
+        from verl.checkpoint_engine import CheckpointEngineManager
+        from verl.single_controller.ray import RayClassWithInitArgs, RayWorkerGroup, create_colocated_worker_cls
+        from verl.trainer.ppo.utils import Role
+        from verl.utils.config import omega_conf_to_dataclass
+        from verl.workers.engine_workers import ActorRolloutRefWorker
+        from verl.workers.rollout.llm_server import LLMServerManager
+
+        lora_rank = arr.model.get("lora", {}).get("rank", 0) or arr.model.get("lora_rank", 0)
+        ref_in_actor = lora_rank > 0 or arr.model.get("lora_adapter_path") is not None
+        role = Role.ActorRolloutRef if self.use_reference_policy and not ref_in_actor else Role.ActorRollout
+        pool = self.resource_pool_manager.get_resource_pool(role if role in self.mapping else Role.ActorRollout)
+        cls = RayClassWithInitArgs(cls=ray.remote(ActorRolloutRefWorker), config=arr, role=str(role))
+        group = RayWorkerGroup(
+            resource_pool=pool,
+            ray_cls_with_init=create_colocated_worker_cls(class_dict={str(role): cls}),
+            device_name=self.config.trainer.device,
+        )
+        worker_group = group.spawn(prefix_set=[str(role)])[str(role)]
+        worker_group.init_model()
+        full = copy.deepcopy(self.config)
+        with open_dict(full):
+            full.actor_rollout_ref = arr
+        server_manager = LLMServerManager.create(config=full, worker_group=worker_group, rollout_resource_pool=pool)
+        engine_config = omega_conf_to_dataclass(arr.rollout.checkpoint_engine)
+        engine_config.backend = "naive"
+        checkpoint_manager = CheckpointEngineManager(
+            config=engine_config, actor_wg=worker_group, replicas=server_manager.get_replicas()
+        )
+        checkpoint_manager.sleep_replicas()
+        logger.info("policy %s: worker group, %d rollout replica(s) and weight sync ready", name,
+                    len(server_manager.get_replicas()))
+        return PolicyStack(
+            name=name,
+            config=arr,
+            worker_group=worker_group,
+            ref_worker_group=worker_group if (self.use_reference_policy or ref_in_actor) else None,
+            ref_in_actor=ref_in_actor,
+            server_manager=server_manager,
+            checkpoint_manager=checkpoint_manager,
+        )
+
+    def _extra_stacks(self) -> list[PolicyStack]:
+        return [self.stacks[n] for n in self.mas.policy_names[1:] if n in self.stacks]
+
+    def get_llm_client(self) -> Any:
+        if not self.mas.multi_policy:
+            return super().get_llm_client()
+        return PolicyRouterClient({name: stack.server_manager.get_client() for name, stack in self.stacks.items()})
+
+    def on_init_end(self) -> None:
+        super().on_init_end()
+        for stack in self._extra_stacks():
+            stack.checkpoint_manager.update_weights(self.global_steps)
+
+    def on_sample_end(self) -> None:
+        super().on_sample_end()
+        for stack in self._extra_stacks():
+            stack.checkpoint_manager.sleep_replicas()
+
+    def on_step_end(self) -> None:
+        from verl.utils.debug import marked_timer
+
+        # As verl's sync trainer, for every policy: wake its replicas and push the new weights.
+        with marked_timer("update_weights", self.timing_raw, color="red"):
+            for stack in self.stacks.values():
+                stack.checkpoint_manager.update_weights(self.global_steps)
+
+    def _load_checkpoint(self) -> None:
+        super()._load_checkpoint()
+        if self.global_steps > 0 and self.mas.multi_policy:
+            trainer = self.config.trainer
+            if trainer.resume_mode == "resume_path":
+                folder = trainer.resume_from_path
+            else:
+                folder = os.path.join(trainer.default_local_dir, f"global_step_{self.global_steps}")
+            self._resume_folder = folder if os.path.isabs(folder) else os.path.join(os.getcwd(), folder)
+            missing = [n for n in self.mas.policy_names[1:]
+                       if not os.path.isdir(os.path.join(self._resume_folder, f"actor_{n}"))]
+            if missing:
+                raise FileNotFoundError(
+                    f"Resuming from {self._resume_folder}, but it holds no checkpoint for policies {missing} "
+                    f"(folders actor_<policy>). The checkpoint was saved by a run with other mas.policies; resume "
+                    "with the same policies, or start from scratch (trainer.resume_mode=disable)."
+                )
+
+    def _save_checkpoint(self) -> None:
+        folder = os.path.join(self.config.trainer.default_local_dir, f"global_step_{self.global_steps}")
+        keep = self.config.trainer.get("max_actor_ckpt_to_keep", None)
+        for stack in self._extra_stacks():
+            stack.worker_group.save_checkpoint(
+                os.path.join(folder, f"actor_{stack.name}"), None, self.global_steps, max_ckpt_to_keep=keep
+            )
+        # verl saves the first policy in actor/, the dataloader, and writes the "latest" marker last.
+        super()._save_checkpoint()
+
+    @contextlib.contextmanager
+    def _policy(self, stack: PolicyStack) -> Iterator[None]:
+        """Run verl's per-batch methods against ``stack``'s worker group."""
+        saved = (self.actor_rollout_wg, getattr(self, "ref_policy_wg", None), self.ref_in_actor)
+        self.actor_rollout_wg = stack.worker_group
+        self.ref_policy_wg = stack.ref_worker_group
+        self.ref_in_actor = stack.ref_in_actor
+        try:
+            yield
+        finally:
+            self.actor_rollout_wg, self.ref_policy_wg, self.ref_in_actor = saved
+
+    def _per_policy(self, batch: Any, metrics: dict, method: Any) -> Any:
+        """Call ``method(sub_batch, metrics)`` once per policy on that policy's rows; merge the metrics."""
+        if not self.mas.multi_policy:
+            return method(batch, metrics)
+        per_policy: dict[str, dict] = {}
+        for name in self.mas.policy_names:
+            keys = self._policy_keys.get(name) or []
+            if not keys:
+                continue
+            sub = batch.select_keys(keys)
+            sub.extra_info = dict(batch.extra_info or {})
+            out: dict = {}
+            with self._policy(self.stacks[name]):
+                method(sub, out)
+            batch.extra_info.update(sub.extra_info)
+            per_policy[name] = out
+        metrics.update(merge_policy_metrics(per_policy))
+        return batch
+
+    def _balance_batch(self, batch: Any, metrics: dict, logging_prefix: str = "global_seqlen",
+                       keep_minibatch: bool = False) -> Any:
+        if not self.mas.multi_policy:
+            return super()._balance_batch(batch, metrics, logging_prefix=logging_prefix, keep_minibatch=keep_minibatch)
+        data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=["extra_fields"])
+        extras = _as_list(data["extra_fields"])
+        by_policy: dict[str, list[str]] = defaultdict(list)
+        for key, extra in zip(batch.keys, extras, strict=True):
+            by_policy[str(extra["mas_policy"])].append(key)
+        parts = []
+        self._policy_keys = {}
+        per_policy: dict[str, dict] = {}
+        for name in self.mas.policy_names:
+            if not by_policy.get(name):
+                logger.warning("policy %s has no samples this step; it is not updated", name)
+                continue
+            sub = batch.select_keys(by_policy[name])
+            out: dict = {}
+            with self._policy(self.stacks[name]):
+                sub = super()._balance_batch(sub, out, logging_prefix=logging_prefix, keep_minibatch=keep_minibatch)
+            self._policy_keys[name] = list(sub.keys)
+            per_policy[name] = out
+            parts.append(sub)
+        metrics.update(merge_policy_metrics(per_policy))
+        merged = type(batch).concat(parts)
+        merged.extra_info = dict(batch.extra_info or {})
+        return merged
+
+    def _compute_old_log_prob(self, batch: Any, metrics: dict) -> Any:
+        self._per_policy(batch, metrics, lambda b, m: super(MasTrainer, self)._compute_old_log_prob(b, metrics=m))
+        return batch
+
+    def _compute_ref_log_prob(self, batch: Any, metrics: dict) -> Any:
+        self._per_policy(batch, metrics, lambda b, m: super(MasTrainer, self)._compute_ref_log_prob(b, metrics=m))
+        return batch
+
+    def _compute_metrics(self, batch: Any, metrics: dict, timing_raw: dict, global_steps: int, epoch: int) -> Any:
+        result = super()._compute_metrics(batch, metrics, timing_raw, global_steps, epoch)
+        metrics.update(self._server_metrics())
+        return result
+
+    def _server_metrics(self) -> dict[str, float]:
+        """Requests served and weight updates per policy since the last step (rollout backends with ``stats``)."""
+        import ray
+
+        if not self.mas.multi_policy:
+            return {}
+        out: dict[str, float] = {}
+        for name, stack in self.stacks.items():
+            totals = {"requests": 0, "weight_updates": 0}
+            for replica in stack.server_manager.get_replicas():
+                handle = getattr(replica, "_server_handle", None)
+                if handle is None or not hasattr(handle, "stats"):
+                    return {}
+                for k, v in ray.get(handle.stats.remote()).items():
+                    totals[k] += int(v)
+            last = self._last_server_stats.get(name, {"requests": 0, "weight_updates": 0})
+            out[f"policy/{name}/rollout/requests"] = float(totals["requests"] - last["requests"])
+            out[f"policy/{name}/rollout/weight_updates"] = float(totals["weight_updates"] - last["weight_updates"])
+            self._last_server_stats[name] = totals
+        return out
 
     def _build_replay_buffer(self) -> Any:
         buffer = super()._build_replay_buffer()
@@ -100,12 +343,17 @@ class MasTrainer(PPOTrainerSync):
         the mini-batch is the rows of ``ppo_mini_batch_size`` tasks: ``train_batch_size /
         ppo_mini_batch_size`` optimiser steps per training step, as in stock verl.
         """
+        return self._per_policy(batch, metrics, self._update_policy_actor)
+
+    def _update_policy_actor(self, batch: Any, metrics: dict) -> Any:
         actor = self.config.actor_rollout_ref.actor
         n = int(self.config.actor_rollout_ref.rollout.n)
         num_mini_batches = max(1, int(self.config.data.train_batch_size) // int(actor.ppo_mini_batch_size))
         world = int(self.config.trainer.n_gpus_per_node) * int(self.config.trainer.nnodes)
         rows = len(batch.keys) // num_mini_batches
         rows -= rows % (world * n)  # every data-parallel rank gets whole mini-batches
+        # (with several policies ``batch`` holds one policy's rows: each policy takes the same number of
+        # optimiser steps per training step)
         configured = actor.ppo_mini_batch_size
         with open_dict(self.config):
             actor.ppo_mini_batch_size = max(world, rows // n)
@@ -246,6 +494,56 @@ def check_group_prompts(ids: np.ndarray, keys: list[str], hashes: list[int]) -> 
         "group keys were built (or a workflow that generates twice for one role in a turn); "
         "set mas.check_group_prompts=false only to debug it."
     )
+
+
+def merge_policy_metrics(per_policy: dict[str, dict]) -> dict[str, float]:
+    """``policy/<name>/<metric>`` for every policy's metrics, and verl's name with the mean over policies.
+
+    With one policy the metrics pass through unchanged.
+    """
+    if len(per_policy) == 1:
+        return dict(next(iter(per_policy.values())))
+    out: dict[str, Any] = {}
+    pooled: dict[str, list[float]] = defaultdict(list)
+    for name, metrics in per_policy.items():
+        for key, value in metrics.items():
+            out[f"policy/{name}/{key}"] = value
+            if isinstance(value, (int, float, np.floating, np.integer)):
+                pooled[key].append(float(value))
+    for key, values in pooled.items():
+        out[key] = float(np.mean(values))
+    return out
+
+
+def _check_routing(config: Any, mas: MasConfig) -> None:
+    """With several policies every role of every workflow in the data must be routed; report all gaps."""
+    from verl_mas.registry import get_workflow
+
+    roles: dict[str, tuple[str, ...]] = {}
+    for workflow_id in _workflows_in_data(config) or ([mas.workflow] if mas.workflow else []):
+        roles[workflow_id] = tuple(get_workflow(workflow_id).roles)
+    problems = mas.routing_problems(roles)
+    if problems:
+        raise MasConfigError("mas.roles does not route every role:\n  - " + "\n  - ".join(problems))
+
+
+def _workflows_in_data(config: Any) -> list[str]:
+    """Workflow ids named by the rows of the train and validation parquet files (``extra_info.workflow``)."""
+    import pyarrow.parquet as pq
+
+    found: set[str] = set()
+    for key in ("train_files", "val_files"):
+        files = config.data.get(key)
+        if not files:
+            continue
+        for path in [files] if isinstance(files, str) else list(files):
+            if not os.path.exists(path):
+                continue  # verl reports missing data files itself
+            table = pq.read_table(path, columns=["extra_info"])
+            for info in table.column("extra_info").to_pylist():
+                if info and info.get("workflow"):
+                    found.add(str(info["workflow"]))
+    return sorted(found)
 
 
 def _as_list(values: Any) -> list:

@@ -45,6 +45,7 @@ logger = logging.getLogger(__name__)
 
 #: Name under which the backend is registered (``actor_rollout_ref.rollout.name=hf``).
 from verl_mas.backends.hf_rollout_names import BACKEND_NAME
+from verl_mas.policies import rollout_policy
 #: Diagnostic switch: ignore weight updates (see the module docstring).
 FREEZE_WEIGHTS_ENV = "VERL_MAS_HF_ROLLOUT_FREEZE_WEIGHTS"
 
@@ -328,9 +329,14 @@ def settings_from_verl(
 # --------------------------------------------------------------------------------------------------
 
 
-def server_actor_name(replica_rank: int, node_rank: int = 0) -> str:
-    """The Ray actor name of a replica's server; the worker-side adapter finds its server by it."""
-    return f"{BACKEND_NAME}_server_{replica_rank}_{node_rank}"
+def server_actor_name(replica_rank: int, node_rank: int = 0, policy: str | None = None) -> str:
+    """The Ray actor name of a replica's server; the worker-side adapter finds its server by it.
+
+    Replica ranks restart at 0 in every worker group, so with several trainable policies (one stack
+    each) the policy name, from ``rollout.custom.mas_policy``, keeps the names apart.
+    """
+    suffix = f"_{policy}" if policy else ""
+    return f"{BACKEND_NAME}_server_{replica_rank}_{node_rank}{suffix}"
 
 
 class HFRolloutServer:
@@ -344,6 +350,7 @@ class HFRolloutServer:
         self.replica_rank = replica_rank
         self.node_rank = node_rank
         self.global_steps = 0
+        self.requests_served = 0
         path = getattr(model_config, "local_path", None) or model_config.path
         # Several rollout servers share the machine's cores with the trainer: keep each one small.
         torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
@@ -388,6 +395,7 @@ class HFRolloutServer:
             default_ignore_eos=bool(getattr(self.config, "ignore_eos", False)),
         )
         result = await self.engine.generate([int(t) for t in prompt_ids], settings)
+        self.requests_served += 1
         return TokenOutput(
             token_ids=result.token_ids,
             log_probs=result.log_probs if settings.want_logprobs else None,
@@ -405,6 +413,10 @@ class HFRolloutServer:
 
     def weight_update_count(self) -> int:
         return self.engine.num_weight_updates
+
+    def stats(self) -> dict[str, int]:
+        """Counters since start: requests served and weight updates loaded (the trainer logs them per policy)."""
+        return {"requests": int(self.requests_served), "weight_updates": int(self.engine.num_weight_updates)}
 
     def set_global_steps(self, global_steps: int) -> None:
         self.global_steps = int(global_steps)
@@ -453,7 +465,7 @@ class HFReplica(RolloutReplica):
                 "(and data/pipeline parallel sizes 1)."
             )
         options: dict[str, Any] = {
-            "name": server_actor_name(self.replica_rank, 0) + self.name_suffix,
+            "name": server_actor_name(self.replica_rank, 0, rollout_policy(self.config)) + self.name_suffix,
             "max_concurrency": self.max_concurrency,
             "num_cpus": 0,  # logical CPU slots stay with verl's workers and TransferQueue
         }
@@ -508,7 +520,7 @@ class HFServerAdapter(BaseRollout):
 
     def _server_handle(self) -> Any:
         if self._server is None:
-            self._server = ray.get_actor(server_actor_name(self.replica_rank, 0))
+            self._server = ray.get_actor(server_actor_name(self.replica_rank, 0, rollout_policy(self.config)))
         return self._server
 
     async def resume(self, tags: list[str]) -> None:
