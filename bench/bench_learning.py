@@ -15,9 +15,12 @@ Two figures per run:
 - ``train``: success of the *training* episodes, mean of the last 5 steps. Under tree sampling every node
   commits the best of K candidates, so it is above what the policy achieves with one sample; under
   parallel sampling every episode is one sample. Not comparable across configurations.
-- ``test``: single-sample team success on the held-out tasks (verl's validation with ``mas.val_branching=1``
-  and ``val_kwargs`` greedy decoding: ``val-core/<source>/acc/mean@1``) before training and after the
-  last step. This is the fair comparison.
+- ``test``: single-sample team success on the held-out tasks before training and after the last step:
+  verl's validation with ``mas.val_branching=1`` (every node commits its only sample), 4 episodes per
+  task sampled at the training temperature (``val_kwargs``), reported as ``val-core/<source>/acc/mean@4``.
+  This is the fair comparison: the success the trained stochastic policy has with one sample per turn.
+  (Greedy decoding is not used: a tiny policy's single most likely word is often wrong while its
+  distribution is good.)
 
 Steps-to-threshold uses the training success (the only per-step figure).
 
@@ -46,6 +49,9 @@ CONFIGS: dict[str, list[str]] = {
 }
 
 
+VAL_SAMPLES = 4
+
+
 def run_one(name: str, seed: int, steps: int, workflow: str, work: Path) -> list[dict]:
     run_dir = work / f"{name}-seed{seed}"
     env = {k: v for k, v in os.environ.items() if not k.startswith("VERL_")}
@@ -53,7 +59,9 @@ def run_one(name: str, seed: int, steps: int, workflow: str, work: Path) -> list
     overrides = [*CONFIGS[name], f"trainer.total_training_steps={steps}", f"actor_rollout_ref.actor.data_loader_seed={seed}",
                  f"data.seed={seed}", f"trainer.experiment_name={name}-seed{seed}",
                  # validation (single-sample, greedy) before training and after the last step
-                 "trainer.val_before_train=True", f"trainer.test_freq={steps}"]
+                 "trainer.val_before_train=True", f"trainer.test_freq={steps}",
+                 f"actor_rollout_ref.rollout.val_kwargs.n={VAL_SAMPLES}", "actor_rollout_ref.rollout.val_kwargs.do_sample=True",
+                 "actor_rollout_ref.rollout.val_kwargs.temperature=1.0"]
     proc = subprocess.run(["bash", str(RECIPE), *overrides], env=env, capture_output=True, text=True, cwd=work)
     if proc.returncode != 0:
         raise RuntimeError(f"{name} seed {seed} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
@@ -63,7 +71,7 @@ def run_one(name: str, seed: int, steps: int, workflow: str, work: Path) -> list
 def test_success(record: dict) -> float | None:
     """verl's validation metric for the mas agent loop's ``acc`` (single-sample team success), if logged."""
     for key, value in record["data"].items():
-        if key.startswith("val-core/") and key.endswith("/acc/mean@1"):
+        if key.startswith("val-core/") and key.endswith(f"/acc/mean@{VAL_SAMPLES}"):
             return float(value)
     return None
 

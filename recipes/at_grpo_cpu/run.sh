@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # AT-GRPO on CPU through verl's main_ppo (see at_grpo_cpu.yaml).
 # Usage: [WORKFLOW=relay-v0] [TRAIN_TASKS=64 TEST_TASKS=16] bash recipes/at_grpo_cpu/run.sh [hydra overrides...]
-# Outputs go to $VERL_MAS_RUN_DIR (default: ./runs/at_grpo_cpu): model, data, metrics.jsonl, hydra logs.
+# Outputs go to $VERL_MAS_RUN_DIR (default: ./runs/at_grpo_cpu): model, data, metrics.jsonl, checkpoints, hydra logs.
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 PYTHON="${PYTHON:-python}"
@@ -21,5 +21,5 @@ export VERL_FILE_LOGGER_PATH="$RUN_DIR/metrics.jsonl"
 "$PYTHON" -m verl.trainer.main_ppo --config-path "$HERE" --config-name at_grpo_cpu \
   actor_rollout_ref.model.path="$RUN_DIR/model" \
   data.train_files="$RUN_DIR/data/train.parquet" data.val_files="$RUN_DIR/data/test.parquet" \
-  hydra.run.dir="$RUN_DIR/hydra" \
+  hydra.run.dir="$RUN_DIR/hydra" trainer.default_local_dir="$RUN_DIR/checkpoints" \
   "$@"

@@ -1,0 +1,183 @@
+"""Several policies (one model / one LoRA adapter per role): config, routing, metrics (fast tests).
+
+The end-to-end runs through verl's main_ppo are in test_main_ppo_policies.py.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from omegaconf import OmegaConf
+
+from verl_mas.config import MasConfig, MasConfigError
+from verl_mas.policies import PolicyRouterClient, policy_configs, rollout_policy
+
+TWO = {"policies": {"caller": {}, "runner": {"model": {"path": "/models/b"}}},
+       "roles": {"caller": {"policy": "caller"}, "runner": {"policy": "runner"}}}
+
+
+def test_policy_config_reports_every_problem_at_once() -> None:
+    with pytest.raises(MasConfigError) as err:
+        MasConfig.from_mapping({
+            "policies": {"a": {}, "b": {"optim": {"lr": 1}}, "c": {}, "bad name": {}},
+            "roles": {"x": {"policy": "a"}, "y": {"policy": "zz"}, "z": {"policy": "b", "lr": 3}},
+        })
+    message = str(err.value)
+    for expected in (
+        "mas.policies has the name 'bad name'",
+        "mas.policies.b sets ['optim']",  # optim lives under actor:
+        "mas.roles.y.policy is 'zz'",
+        "mas.roles.z is {'policy': 'b', 'lr': 3}",
+        "mas.policies ['b', 'c', 'bad name'] serve no role",
+    ):
+        assert expected in message, (expected, message)
+
+
+def test_routing_one_policy_serves_unlisted_roles_several_need_every_role() -> None:
+    shared = MasConfig()
+    assert shared.policy_of("anyone") == "default" and not shared.multi_policy
+    assert shared.routing_problems({"relay-v0": ("caller", "runner")}) == []
+    two = MasConfig.from_mapping(TWO)
+    assert two.multi_policy and two.policy_names == ["caller", "runner"]
+    assert (two.policy_of("caller"), two.policy_of("runner")) == ("caller", "runner")
+    with pytest.raises(MasConfigError, match="Role 'tool' is not routed"):
+        two.policy_of("tool")
+    problems = two.routing_problems({"relay-v0": ("caller", "runner"), "plan-path-v0": ("tool", "planner")})
+    assert problems == [
+        "workflow 'plan-path-v0' has roles ['tool', 'planner'] that no policy serves: with several policies "
+        "(['caller', 'runner']) every role needs mas.roles.<role>.policy."
+    ]
+
+
+def test_policy_configs_merge_overrides_check_keys_and_tag_rollouts() -> None:
+    arr = OmegaConf.create({"model": {"path": "/models/a", "lora_rank": 0},
+                            "actor": {"optim": {"lr": 3e-3, "weight_decay": 0.01}},
+                            "rollout": {"name": "hf", "custom": None}, "ref": {}})
+    mas = MasConfig.from_mapping({
+        "policies": {"caller": {"actor": {"optim": {"lr": 1e-3}}},
+                     "runner": {"model": {"path": "/models/b", "lora_rank": 8}}},
+        "roles": {"caller": {"policy": "caller"}, "runner": {"policy": "runner"}},
+    })
+    configs = policy_configs(arr, mas)
+    assert configs["caller"].actor.optim.lr == 1e-3 and configs["caller"].model.path == "/models/a"
+    assert configs["runner"].actor.optim.lr == 3e-3 and configs["runner"].model.path == "/models/b"
+    assert configs["runner"].model.lora_rank == 8 and configs["runner"].actor.optim.weight_decay == 0.01
+    # The first policy runs in verl's own stack; later ones name their rollout servers after themselves.
+    assert rollout_policy(configs["caller"].rollout) is None and rollout_policy(configs["runner"].rollout) == "runner"
+    assert arr.actor.optim.lr == 3e-3  # the recipe's block is not modified
+    bad = MasConfig.from_mapping({
+        "policies": {"caller": {"actor": {"optim": {"lrr": 1}}}, "runner": {"model": {"pth": "x"}}},
+        "roles": {"caller": {"policy": "caller"}, "runner": {"policy": "runner"}},
+    })
+    with pytest.raises(MasConfigError) as err:
+        policy_configs(arr, bad)
+    assert "mas.policies.caller.actor.optim.lrr: actor_rollout_ref.actor.optim.lrr does not exist" in str(err.value)
+    assert "mas.policies.runner.model.pth: actor_rollout_ref.model.pth does not exist" in str(err.value)
+
+
+def test_hf_server_names_are_distinct_per_policy() -> None:
+    from verl_mas.backends.hf_rollout import server_actor_name
+
+    assert server_actor_name(0, 0) == "hf_server_0_0"
+    assert server_actor_name(0, 0, "runner") == "hf_server_0_0_runner" != server_actor_name(0, 0, "caller")
+
+
+def test_merge_policy_metrics_prefixes_and_means() -> None:
+    from verl_mas.trainer import merge_policy_metrics
+
+    merged = merge_policy_metrics({"a": {"actor/grad_norm": 1.0, "x": 2}, "b": {"actor/grad_norm": 3.0}})
+    assert merged == {"policy/a/actor/grad_norm": 1.0, "policy/a/x": 2, "policy/b/actor/grad_norm": 3.0,
+                      "actor/grad_norm": 2.0, "x": 2.0}
+    assert merge_policy_metrics({"only": {"actor/grad_norm": 1.5}}) == {"actor/grad_norm": 1.5}
+
+
+def test_routing_check_reads_the_workflows_named_by_the_data(tmp_path: Path) -> None:
+    from verl_mas.data import write_dataset
+    from verl_mas.trainer import _check_routing
+
+    write_dataset("relay-v0", tmp_path, train=4, test=2, seed=0)
+    config = OmegaConf.create({"data": {"train_files": str(tmp_path / "train.parquet"),
+                                        "val_files": str(tmp_path / "test.parquet")}})
+    _check_routing(config, MasConfig.from_mapping(TWO))  # both relay roles routed
+    half = MasConfig.from_mapping({"policies": {"caller": {}, "runner": {}},
+                                   "roles": {"caller": {"policy": "caller"}, "planner": {"policy": "runner"}}})
+    with pytest.raises(MasConfigError, match=r"workflow 'relay-v0' has roles \['runner'\] that no policy serves"):
+        _check_routing(config, half)
+
+
+class _RecordingClient:
+    """Stands in for one policy's verl LLMServerClient: serves a real model, records what it served."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self.config = OmegaConf.create({})
+        self.prompts: list[list[int]] = []
+
+    async def generate(self, request_id: str, *, prompt_ids: list[int], sampling_params: dict, **kwargs):
+        from verl.workers.rollout.replica import TokenOutput
+
+        from verl_mas.backends.hf_rollout import settings_from_verl
+
+        assert not kwargs, f"the router must not forward its own arguments to a verl client: {kwargs}"
+        self.prompts.append(list(prompt_ids))
+        settings = settings_from_verl(sampling_params, prompt_len=len(prompt_ids), response_length=4,
+                                      prompt_length=512, max_model_len=600)
+        result = await self.engine.generate(prompt_ids, settings)
+        return TokenOutput(token_ids=result.token_ids, log_probs=result.log_probs, stop_reason="completed",
+                           extra_fields={"global_steps": 1})
+
+
+async def test_each_role_reaches_its_policys_model(tmp_path: Path) -> None:
+    """Two tiny models of different sizes behind the router: every request of a role reaches its model,
+    and the returned log-probs are that model's (they would not match the other model's)."""
+    import torch
+    from transformers import AutoTokenizer
+    from verl.experimental.agent_loop.agent_loop import DictConfigWrap
+
+    from verl_mas.agent_loop import MasAgentLoop
+    from verl_mas.backends.hf_rollout import HFGenerationEngine
+    from verl_mas.tiny import write_tiny
+
+    small = write_tiny(tmp_path / "small", hidden_size=32, num_hidden_layers=1, seed=1)
+    large = write_tiny(tmp_path / "large", hidden_size=64, num_hidden_layers=2, seed=2)
+    engines = {"p": HFGenerationEngine.from_pretrained(str(small), seed=0),
+               "m": HFGenerationEngine.from_pretrained(str(large), seed=0)}
+    clients = {name: _RecordingClient(engine) for name, engine in engines.items()}
+    router = PolicyRouterClient(clients)
+    mas = {"branching": 2, "max_turns": 2, "policies": {"p": {}, "m": {}},
+           "roles": {"planner": {"policy": "p"}, "mover": {"policy": "m"}}}
+    config = OmegaConf.create({"actor_rollout_ref": {"rollout": {"response_length": 4, "prompt_length": 512}},
+                               "data": {"apply_chat_template_kwargs": {}}, "mas": mas})
+    loop = MasAgentLoop(trainer_config=DictConfigWrap(config), server_manager=router,
+                        tokenizer=AutoTokenizer.from_pretrained(small), processor=None, dataset_cls=None,
+                        data_config=DictConfigWrap(config.data))
+    row = {"uid": "t", "session_id": 0, "index": 0,
+           "extra_info": {"workflow": "toy-walk-v0", "task": json.dumps({"start": 0, "goal": 5}), "split": "train"}}
+    sampling = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "repetition_penalty": 1.0, "logprobs": True}
+    outputs = await loop.run(sampling, **row)
+    # goal 5 is out of reach in 2 turns: 2 turns x K=2 requests per role, each to its own policy's model.
+    assert len(clients["p"].prompts) == 4 and len(clients["m"].prompts) == 4
+    by_role = {role: [o for o in outputs if o.extra_fields["mas_role"] == role] for role in ("planner", "mover")}
+    assert {o.extra_fields["mas_policy"] for o in by_role["planner"]} == {"p"}
+    assert {o.extra_fields["mas_policy"] for o in by_role["mover"]} == {"m"}
+    assert sorted(map(tuple, clients["p"].prompts)) == sorted(tuple(o.prompt_ids) for o in by_role["planner"])
+    # The log-probs of a mover sample are the large model's, not the small one's.
+    out = by_role["mover"][0]
+    ids = torch.tensor([out.prompt_ids + out.response_ids])
+    n = len(out.prompt_ids)
+
+    def logprobs(engine) -> torch.Tensor:
+        with torch.no_grad():
+            logits = engine.model(input_ids=ids).logits[0]
+        return torch.log_softmax(logits[n - 1: n - 1 + len(out.response_ids)], -1).gather(
+            1, torch.tensor(out.response_ids)[:, None])[:, 0]
+
+    got = torch.tensor(out.response_logprobs)
+    assert torch.allclose(got, logprobs(engines["m"]), atol=1e-5)
+    assert not torch.allclose(got, logprobs(engines["p"]), atol=1e-2)  # negative control: the other model
+    with pytest.raises(KeyError, match="asked for policy 'nope'"):
+        await router.generate("r", prompt_ids=[1], sampling_params=sampling, policy="nope")
+    assert np.isfinite(got.numpy()).all()
