@@ -47,3 +47,48 @@ async def test_local_model_client_runs_episodes_with_a_tiny_model(tmp_path: Path
     assert report["episodes"] == 2.0 and 0.0 <= report["success_rate"] <= 1.0
     assert {"mas/caller/reward/mean", "mas/runner/reward/mean"} <= set(report)
     json.dumps(report)  # a plain, serialisable report
+
+
+async def test_role_routed_client_serves_each_role_with_its_own_model_and_swaps() -> None:
+    from verl_mas.evaluate import RoleRoutedClient
+
+    tokenizer = default_tokenizer()
+
+    def perfect(role: str, messages: list) -> str:
+        return messages[-1]["content"].split()[-1]
+
+    good = ScriptedLLM(perfect, tokenizer=tokenizer)
+    mute = ScriptedLLM({"caller": ["zzz"], "runner": ["zzz"]}, tokenizer=tokenizer)
+    config = EpisodeConfig(branching=1, max_turns=4)
+    both = await evaluate(_relay_rows(), client=RoleRoutedClient({"caller": good, "runner": good}),
+                          tokenizer=tokenizer, config=config)
+    # A mute runner breaks the relay whichever caller it has: which model serves which role matters.
+    mute_runner = await evaluate(_relay_rows(), client=RoleRoutedClient({"caller": good}, default=mute),
+                                 tokenizer=tokenizer, config=config)
+    assert both["success_rate"] == 1.0 and mute_runner["success_rate"] == 0.0
+    assert mute_runner["mas/caller/reward/mean"] > 0 and mute_runner["mas/runner/reward/mean"] == 0
+
+
+def test_cli_role_swap_with_two_tiny_models(tmp_path: Path, capsys) -> None:
+    import pytest
+
+    from verl_mas.data import write_dataset
+    from verl_mas.evaluate import main
+    from verl_mas.tiny import write_tiny
+    from verl_mas.workflows.relay import RelayWorkflow
+
+    vocab = list(RelayWorkflow.vocabulary)
+    a = write_tiny(tmp_path / "a", vocab=vocab, hidden_size=32, num_hidden_layers=1, seed=1)
+    b = write_tiny(tmp_path / "b", vocab=vocab, hidden_size=64, num_hidden_layers=2, seed=2)
+    write_dataset("relay-v0", tmp_path / "data", train=0, test=4, seed=0)
+    out = tmp_path / "report.json"
+    main(["--data", str(tmp_path / "data" / "test.parquet"), "--role", f"caller={b}", "--role", f"runner={a}",
+          "--max-tokens", "3", "--json", str(out)])
+    report = json.loads(out.read_text())
+    printed = capsys.readouterr().out.split()
+    assert report["episodes"] == 4.0 and printed[:6] == ["role", "caller", str(b), "role", "runner", str(a)]
+    with pytest.raises(SystemExit, match="use ROLE=MODEL_DIR.*given twice"):
+        main(["--data", "x.parquet", "--role", "caller", "--role", f"r={a}", "--role", f"r={b}"])
+    other = write_tiny(tmp_path / "other", hidden_size=32, num_hidden_layers=1)  # generic BPE vocabulary
+    with pytest.raises(SystemExit, match="different vocabulary"):
+        main(["--data", "x.parquet", "--model", str(a), "--role", f"runner={other}"])

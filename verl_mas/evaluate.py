@@ -7,9 +7,16 @@ dataset (``data_source``) and the mean of every per-role / per-episode metric::
     python -m verl_mas.evaluate --data runs/quickstart/data/test.parquet --model runs/quickstart/model
     python -m verl_mas.evaluate --data test.parquet --model ckpt/hf --branching 1 --temperature 0 --json out.json
 
-A verl FSDP checkpoint is first converted to a transformers directory with verl's own merger
-(``python -m verl.model_merger merge --backend fsdp --local_dir CKPT/actor --target_dir OUT``). For served
-models or several policies, build an :class:`verl_mas.LLMClient` and call :func:`evaluate`.
+Any model may serve any role (``--role ROLE=MODEL``, repeatable; unlisted roles use ``--model``), so the
+paper's role-swap ablation of a per-role run is one command::
+
+    python -m verl_mas.evaluate --data test.parquet \
+        --role caller=CKPT/global_step_N/actor_runner/huggingface --role runner=CKPT/global_step_N/actor/huggingface
+
+A verl checkpoint saved with ``actor.checkpoint.save_contents=[model,optimizer,extra,hf_model]`` has a
+transformers directory in ``actor*/huggingface``; otherwise (and for LoRA adapters) convert it with verl's
+merger (``python -m verl.model_merger merge --backend fsdp --local_dir CKPT/actor --target_dir OUT``). For
+served models, build an :class:`verl_mas.LLMClient` and call :func:`evaluate`.
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ from verl_mas.episode import EpisodeConfig
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["LocalModelClient", "evaluate", "main"]
+__all__ = ["LocalModelClient", "RoleRoutedClient", "evaluate", "main"]
 
 
 class LocalModelClient:
@@ -45,6 +52,59 @@ class LocalModelClient:
     async def generate(self, request: GenerateRequest) -> list[Sample]:
         results = await asyncio.gather(*(self.engine.generate(request.prompt_ids, self._settings) for _ in range(request.n)))
         return [Sample(token_ids=r.token_ids, logprobs=r.log_probs, stop_reason=r.stop_reason) for r in results]
+
+
+class RoleRoutedClient:
+    """:class:`verl_mas.LLMClient` that serves each role with its own client (``default`` for the others)."""
+
+    def __init__(self, by_role: dict[str, LLMClient], default: LLMClient | None = None) -> None:
+        self.by_role = dict(by_role)
+        self.default = default
+
+    async def generate(self, request: GenerateRequest) -> list[Sample]:
+        client = self.by_role.get(request.role, self.default)
+        if client is None:
+            raise ValueError(
+                f"No model serves role {request.role!r}: give it one with --role {request.role}=MODEL, or pass "
+                "--model for every role not listed."
+            )
+        return await client.generate(request)
+
+
+def parse_role_models(specs: Sequence[str]) -> dict[str, str]:
+    """``["caller=DIR", ...]`` -> ``{"caller": "DIR"}``; every malformed or repeated spec is reported."""
+    out: dict[str, str] = {}
+    problems = []
+    for spec in specs:
+        role, sep, path = spec.partition("=")
+        if not sep or not role or not path:
+            problems.append(f"--role {spec!r}: use ROLE=MODEL_DIR, e.g. --role caller=ckpt/actor/huggingface")
+        elif role in out:
+            problems.append(f"--role {role} is given twice ({out[role]!r} and {path!r})")
+        else:
+            out[role] = path
+    if problems:
+        raise SystemExit("python -m verl_mas.evaluate: " + "; ".join(problems))
+    return out
+
+
+def shared_tokenizer(paths: Sequence[str]) -> Any:
+    """The tokenizer of the first model; every other model must have the same vocabulary.
+
+    Prompts are rendered once per request with one tokenizer, so models with different vocabularies
+    cannot share an episode.
+    """
+    from transformers import AutoTokenizer
+
+    tokenizers = {path: AutoTokenizer.from_pretrained(path) for path in dict.fromkeys(paths)}
+    first_path, first = next(iter(tokenizers.items()))
+    different = [p for p, t in tokenizers.items() if t.get_vocab() != first.get_vocab()]
+    if different:
+        raise SystemExit(
+            f"python -m verl_mas.evaluate: models {different} have a different vocabulary from {first_path}; the roles "
+            "of one episode must share a tokenizer (prompts are rendered once as token ids)."
+        )
+    return first
 
 
 async def evaluate(
@@ -101,7 +161,10 @@ def _read_rows(path: str) -> list[dict[str, Any]]:
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m verl_mas.evaluate", description=__doc__.split("\n\n")[0])
     parser.add_argument("--data", required=True, nargs="+", help="parquet split(s) from python -m verl_mas.data")
-    parser.add_argument("--model", required=True, help="local transformers model directory (with its tokenizer)")
+    parser.add_argument("--model", default=None, help="local transformers model directory serving every role not "
+                        "given with --role")
+    parser.add_argument("--role", action="append", default=[], metavar="ROLE=MODEL",
+                        help="serve ROLE with the model in MODEL (repeatable), e.g. for a role swap")
     parser.add_argument("--branching", type=int, default=1, help="K candidates per node (1: single-sample accuracy)")
     parser.add_argument("--max-turns", type=int, default=4)
     parser.add_argument("--alpha", type=float, default=1.0)
@@ -113,14 +176,22 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
 
-    from transformers import AutoTokenizer
-
+    role_models = parse_role_models(args.role)
+    if args.model is None and not role_models:
+        parser.error("give --model (every role) and/or --role ROLE=MODEL")
+    paths = ([args.model] if args.model else []) + list(role_models.values())
+    tokenizer = shared_tokenizer(paths)
     rows = [row for path in args.data for row in _read_rows(path)][: args.limit]
-    client = LocalModelClient(args.model, temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
+    engines = {
+        path: LocalModelClient(path, temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
+        for path in dict.fromkeys(paths)
+    }
+    client = RoleRoutedClient({role: engines[path] for role, path in role_models.items()},
+                              default=engines[args.model] if args.model else None)
     config = EpisodeConfig(branching=args.branching, max_turns=args.max_turns, alpha=args.alpha)
-    report = asyncio.run(
-        evaluate(rows, client=client, tokenizer=AutoTokenizer.from_pretrained(args.model), config=config, seed=args.seed)
-    )
+    report = asyncio.run(evaluate(rows, client=client, tokenizer=tokenizer, config=config, seed=args.seed))
+    for role, path in sorted(role_models.items()):
+        print(f"{'role ' + role:<40} {path}")
     for key, value in report.items():
         print(f"{key:<40} {value:.4f}")
     if args.json:
