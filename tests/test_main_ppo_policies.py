@@ -1,0 +1,152 @@
+"""One model per role and one LoRA adapter per role, end to end through verl's stock main_ppo on CPU.
+
+The CPU quickstart recipe (relay-v0: roles caller and runner) with ``mas_policies=per_role_models`` or
+``mas_policies=per_role_lora``. Two controls make the checks able to fail:
+
+- ``mas.alpha=0`` leaves the runner with reward 0 on every sample (its reward is the team term only), so
+  every runner group has zero variance and zero advantage: the runner's policy must not move at all
+  (its weight decay is set to 0, so even AdamW's decoupled decay cannot move it), while the caller's
+  (local reward: naming the right word) must;
+- the two models differ in size, so a request served by the wrong model, or weights synced into the
+  wrong server, shows up as a large rollout-vs-actor log-prob gap for that policy.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPE = REPO / "recipes" / "at_grpo_cpu" / "run.sh"
+K, TASKS = 4, 8
+SAVE_HF = "actor_rollout_ref.actor.checkpoint.save_contents=[model,optimizer,extra,hf_model]"
+
+
+def _run(run_dir: Path, *overrides: str) -> list[dict]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VERL_")}
+    env.update(PYTHON=sys.executable, VERL_MAS_RUN_DIR=str(run_dir))
+    proc = subprocess.run(
+        ["bash", str(RECIPE), f"data.train_batch_size={TASKS}", "mas.alpha=0", *overrides],
+        cwd=run_dir.parent, env=env, capture_output=True, text=True, timeout=1500,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-5000:]
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _weights(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(path / "model.safetensors"))
+
+
+def _val_outputs(path: Path) -> list[tuple[str, str]]:
+    """The (prompt, response) pairs of a validation dump, sorted (verl orders them by fresh random uids)."""
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    return sorted((r["input"], r["output"]) for r in rows)
+
+
+@pytest.mark.slow
+def test_per_role_models_of_different_sizes_train_route_sync_save_and_resume(tmp_path: Path) -> None:
+    from verl_mas.tiny import write_tiny
+    from verl_mas.workflows.relay import RelayWorkflow
+
+    run_dir = tmp_path / "run"
+    # The caller gets the recipe's tiny model (hidden 64, 2 layers); the runner a larger one (hidden 128,
+    # 3 layers) with the same tailored vocabulary.
+    runner_model = write_tiny(tmp_path / "runner_model", vocab=list(RelayWorkflow.vocabulary), hidden_size=128,
+                              num_hidden_layers=3, seed=7)
+    policies = ["mas_policies=per_role_models", f"mas.policies.runner.model.path={runner_model}",
+                "+mas.policies.runner.actor={optim: {weight_decay: 0.0}}"]
+    metrics = _run(run_dir, *policies, "trainer.total_training_steps=2", "trainer.save_freq=2", SAVE_HF,
+                   "trainer.test_freq=2", f"trainer.validation_data_dir={run_dir / 'val1'}")
+    steps = [m for m in metrics if "mas/success_rate" in m["data"]]
+    assert [m["step"] for m in steps] == [1, 2]
+    for m in steps:
+        d = m["data"]
+        print(f"[per-role-models] step {m['step']}: " + " ".join(
+            f"{p}: probs_diff={d[f'policy/{p}/training/rollout_probs_diff_mean']:.1e} "
+            f"grad_norm={d[f'policy/{p}/actor/grad_norm']:.3g} requests={d[f'policy/{p}/rollout/requests']:.0f} "
+            f"syncs={d[f'policy/{p}/rollout/weight_updates']:.0f}" for p in ("caller", "runner")))
+        for policy, role in (("caller", "caller"), ("runner", "runner")):
+            # Each policy's rollout log-probs are its own actor's: requests reached the right model and
+            # the weight sync of one policy did not land in the other's server.
+            assert d[f"policy/{policy}/training/rollout_probs_diff_mean"] < 1e-6
+            # Every update of a policy's server is its own policy's sync: one per step (plus the initial one).
+            assert d[f"policy/{policy}/rollout/weight_updates"] == (2.0 if m["step"] == 1 else 1.0)
+            # Step 1 (no validation in it): K requests per turn the role acted in, on its policy's server only.
+            if m["step"] == 1:
+                assert d[f"policy/{policy}/rollout/requests"] == round(K * TASKS * d[f"mas/{role}/turns"])
+        assert d["mas/runner/reward/mean"] == 0.0  # alpha=0: the runner's control condition
+        assert d["policy/runner/actor/grad_norm"] == 0.0
+    assert max(m["data"]["policy/caller/actor/grad_norm"] for m in steps) > 0
+
+    # Parameters (transformers copies saved with the step-2 checkpoint): the caller moved, the runner —
+    # all samples at zero advantage — is bit-for-bit the larger model it started from.
+    ckpt = run_dir / "checkpoints" / "global_step_2"
+    caller_before, caller_after = _weights(run_dir / "model"), _weights(ckpt / "actor" / "huggingface")
+    runner_before, runner_after = _weights(runner_model), _weights(ckpt / "actor_runner" / "huggingface")
+    assert caller_after.keys() == caller_before.keys() and runner_after.keys() == runner_before.keys()
+    assert runner_after["model.embed_tokens.weight"].shape[1] == 128  # the runner's worker group trained the big model
+    moved = [k for k in caller_before if not torch.equal(caller_before[k], caller_after[k])]
+    assert len(moved) > len(caller_before) // 2, moved
+    assert all(torch.equal(runner_before[k], runner_after[k]) for k in runner_before)
+    print(f"[per-role-models] caller tensors changed: {len(moved)}/{len(caller_before)}; runner tensors changed: 0/"
+          f"{len(runner_before)}")
+
+    # Kill and resume: a new main_ppo process continues at step 3 from the step-2 checkpoint of every
+    # policy. Greedy validation before the resumed step reproduces the validation after step 2 exactly
+    # (same weights in both policies' servers), and one more step changes it (the check can fail).
+    resumed = _run(run_dir, *policies, "trainer.total_training_steps=3", "trainer.val_before_train=True",
+                   "trainer.test_freq=3", f"trainer.validation_data_dir={run_dir / 'val2'}")
+    new = resumed  # verl's file logger starts metrics.jsonl afresh in every process
+    assert [m["step"] for m in new if "mas/success_rate" in m["data"]] == [3]
+    step3 = next(m["data"] for m in new if m["step"] == 3 and "mas/success_rate" in m["data"])
+    assert step3["policy/caller/training/rollout_probs_diff_mean"] < 1e-6
+    assert step3["policy/runner/training/rollout_probs_diff_mean"] < 1e-6
+    after_step2 = _val_outputs(run_dir / "val1" / "2.jsonl")
+    assert _val_outputs(run_dir / "val2" / "2.jsonl") == after_step2
+    assert _val_outputs(run_dir / "val2" / "3.jsonl") != after_step2
+    print(f"[per-role-models] resume: {len(after_step2)} greedy validation outputs identical before/after the restart")
+
+
+@pytest.mark.slow
+def test_per_role_lora_updates_only_the_producing_roles_adapter(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    metrics = _run(run_dir, "mas_policies=per_role_lora", "+mas.policies.runner.actor.optim.weight_decay=0.0",
+                   "trainer.total_training_steps=2", "trainer.save_freq=2", SAVE_HF)
+    steps = [m for m in metrics if "mas/success_rate" in m["data"]]
+    assert [m["step"] for m in steps] == [1, 2]
+    for m in steps:
+        d = m["data"]
+        print(f"[per-role-lora] step {m['step']}: caller grad_norm={d['policy/caller/actor/grad_norm']:.3g} "
+              f"runner grad_norm={d['policy/runner/actor/grad_norm']:.3g} probs_diff caller="
+              f"{d['policy/caller/training/rollout_probs_diff_mean']:.1e} runner="
+              f"{d['policy/runner/training/rollout_probs_diff_mean']:.1e}")
+        # Merged LoRA weights in the rollout vs base + adapter in the actor: equal up to float rounding.
+        assert d["policy/caller/training/rollout_probs_diff_mean"] < 1e-4
+        assert d["policy/runner/training/rollout_probs_diff_mean"] < 1e-4
+        assert d["policy/runner/actor/grad_norm"] == 0.0
+    assert max(m["data"]["policy/caller/actor/grad_norm"] for m in steps) > 0
+
+    base = _weights(run_dir / "model")
+    ckpt = run_dir / "checkpoints" / "global_step_2"
+    for policy in ("actor", "actor_runner"):
+        saved = _weights(ckpt / policy / "huggingface")  # peft layout: base_layer + lora_A/lora_B per module
+        frozen = {k.removeprefix("base_model.model.").replace(".base_layer", ""): v
+                  for k, v in saved.items() if "lora_" not in k}
+        # The base model is never trained, in either policy.
+        assert frozen.keys() == base.keys() and all(torch.equal(frozen[k], base[k]) for k in base), policy
+    adapters = {p: {k: v for k, v in _weights(ckpt / p / "huggingface").items() if "lora_B" in k}
+                for p in ("actor", "actor_runner")}
+    # B starts at zero: the runner's adapter (zero advantage) is still zero, the caller's is not.
+    assert adapters["actor"] and adapters["actor_runner"].keys() == adapters["actor"].keys()
+    assert all(torch.count_nonzero(v) == 0 for v in adapters["actor_runner"].values())
+    assert sum(int(torch.count_nonzero(v)) for v in adapters["actor"].values()) > 0
+    print(f"[per-role-lora] adapters: caller {sum(int(torch.count_nonzero(v)) for v in adapters['actor'].values())} "
+          f"non-zero B entries, runner 0; base weights unchanged in both")
