@@ -102,13 +102,23 @@ def test_per_role_models_of_different_sizes_train_route_sync_save_and_resume(tmp
     # Kill and resume: a new main_ppo process continues at step 3 from the step-2 checkpoint of every
     # policy. Greedy validation before the resumed step reproduces the validation after step 2 exactly
     # (same weights in both policies' servers), and one more step changes it (the check can fail).
+    # The resumed run also moves the runner to a resource pool of its own (a second logical GPU), where
+    # its log-probs and update run concurrently with the caller's.
     resumed = _run(run_dir, *policies, "trainer.total_training_steps=3", "trainer.val_before_train=True",
-                   "trainer.test_freq=3", f"trainer.validation_data_dir={run_dir / 'val2'}")
+                   "trainer.test_freq=3", f"trainer.validation_data_dir={run_dir / 'val2'}",
+                   "+mas.policies.runner.resources={n_gpus_per_node: 1}", "ray_kwargs.ray_init.num_gpus=2")
     new = resumed  # verl's file logger starts metrics.jsonl afresh in every process
     assert [m["step"] for m in new if "mas/success_rate" in m["data"]] == [3]
     step3 = next(m["data"] for m in new if m["step"] == 3 and "mas/success_rate" in m["data"])
     assert step3["policy/caller/training/rollout_probs_diff_mean"] < 1e-6
     assert step3["policy/runner/training/rollout_probs_diff_mean"] < 1e-6
+    # Sum of the two policies' update times over the phase's wall time: 1.0 or less if they ran one after
+    # the other, more if they overlapped (split pools).
+    assert step3["mas/policies/update_actor_concurrency"] > 1.0
+    assert steps[-1]["data"]["mas/policies/update_actor_concurrency"] <= 1.0  # shared pool: one at a time
+    print(f"[per-role-models] concurrency of the two policies' updates: shared pool "
+          f"{steps[-1]['data']['mas/policies/update_actor_concurrency']:.2f}, split pools "
+          f"{step3['mas/policies/update_actor_concurrency']:.2f}")
     after_step2 = _val_outputs(run_dir / "val1" / "2.jsonl")
     assert _val_outputs(run_dir / "val2" / "2.jsonl") == after_step2
     assert _val_outputs(run_dir / "val2" / "3.jsonl") != after_step2

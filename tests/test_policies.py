@@ -36,6 +36,26 @@ def test_policy_config_reports_every_problem_at_once() -> None:
         assert expected in message, (expected, message)
 
 
+def test_a_policy_may_have_a_resource_pool_of_its_own() -> None:
+    mas = MasConfig.from_mapping({
+        "policies": {"caller": {}, "runner": {"resources": {"n_gpus_per_node": 2, "nnodes": 2}}},
+        "roles": {"caller": {"policy": "caller"}, "runner": {"policy": "runner"}},
+    })
+    assert mas.policy_resources("caller") is None and mas.policy_resources("runner") == [2, 2]
+    arr = OmegaConf.create({"model": {"path": "a"}, "actor": {}, "rollout": {"custom": None}, "ref": {}})
+    assert "resources" not in policy_configs(arr, mas)["runner"]  # not part of actor_rollout_ref
+    with pytest.raises(MasConfigError) as err:
+        MasConfig.from_mapping({
+            "policies": {"caller": {"resources": {"n_gpus_per_node": 1}}, "runner": {"resources": {"gpus": 1}},
+                         "judge": {"resources": {"n_gpus_per_node": 0}}},
+            "roles": {"caller": {"policy": "caller"}, "runner": {"policy": "runner"}, "judge": {"policy": "judge"}},
+        })
+    message = str(err.value)
+    assert "the first policy runs on verl's own pool" in message
+    assert "mas.policies.runner.resources is {'gpus': 1}" in message
+    assert "mas.policies.judge.resources is {'n_gpus_per_node': 0}" in message
+
+
 def test_routing_one_policy_serves_unlisted_roles_several_need_every_role() -> None:
     shared = MasConfig()
     assert shared.policy_of("anyone") == "default" and not shared.multi_policy

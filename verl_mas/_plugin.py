@@ -52,10 +52,12 @@ def _register() -> None:
     _agent_loop_registry["mas"] = {"_target_": "verl_mas.agent_loop.MasAgentLoop"}
     REGISTERED["agent_loop"] = ["mas"]
 
-    # The trainer mode (trainer.v1.trainer_mode=mas).
-    from verl_mas import trainer
+    # The trainer mode (trainer.v1.trainer_mode=mas). When a program imports verl_mas.trainer before
+    # verl, this runs while that module is still being imported (it imports verl first): the module's
+    # own @register_trainer completes the registration once its import finishes.
+    import verl_mas.trainer  # noqa: F401
 
-    REGISTERED["trainer"] = [trainer.TRAINER_MODE]
+    REGISTERED["trainer"] = ["mas"]
 
 
 try:

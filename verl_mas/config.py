@@ -38,6 +38,8 @@ SINGLETONS = ("zero", "raw")
 DEFAULT_POLICY = "default"
 #: Blocks of verl's ``actor_rollout_ref`` a policy may override.
 POLICY_BLOCKS = ("model", "actor", "rollout", "ref")
+#: A policy's own placement (not part of actor_rollout_ref): ``resources: {n_gpus_per_node: N, nnodes: M}``.
+POLICY_RESOURCES = "resources"
 _POLICY_NAME = re.compile(r"[A-Za-z][A-Za-z0-9-]{0,31}")
 
 
@@ -76,7 +78,7 @@ class MasConfig:
     """The models that serve roles: ``{name: overrides}``, each override a partial ``actor_rollout_ref``
     (``model``, ``actor``, ``rollout``, ``ref`` blocks) applied on top of the recipe's. The first policy
     runs in verl's own actor/rollout stack; every further one gets its own worker group, rollout
-    servers and weight sync."""
+    servers and weight sync, on verl's pool or, with ``resources: {n_gpus_per_node: N}``, on its own."""
     sandbox: Mapping[str, Any] = field(default_factory=dict)
     """Settings of the code sandbox (see ``verl_mas.sandbox``)."""
     val_branching: int = 1
@@ -143,12 +145,14 @@ class MasConfig:
             if not isinstance(overrides, Mapping):
                 out.append(f"mas.policies.{name} is {overrides!r}; it must be a mapping of actor_rollout_ref overrides.")
                 continue
-            unknown = sorted(set(overrides) - set(POLICY_BLOCKS))
+            unknown = sorted(set(overrides) - set(POLICY_BLOCKS) - {POLICY_RESOURCES})
             if unknown:
                 out.append(
                     f"mas.policies.{name} sets {unknown}; a policy overrides blocks of actor_rollout_ref "
-                    f"{list(POLICY_BLOCKS)} (e.g. model: {{path: ...}}, actor: {{optim: {{lr: ...}}}})."
+                    f"{list(POLICY_BLOCKS)} (e.g. model: {{path: ...}}, actor: {{optim: {{lr: ...}}}}) and may "
+                    f"set {POLICY_RESOURCES}: {{n_gpus_per_node: N}} for a resource pool of its own."
                 )
+            out.extend(self._resource_problems(name, overrides.get(POLICY_RESOURCES)))
         used = set()
         for role, settings in self.roles.items():
             settings = settings or {}
@@ -172,6 +176,31 @@ class MasConfig:
                     "mas.roles.<role>.policy for the roles it should serve, or remove it."
                 )
         return out
+
+    def _resource_problems(self, name: str, resources: Any) -> list[str]:
+        if resources is None:
+            return []
+        if name == next(iter(self.policies)):
+            return [
+                f"mas.policies.{name}.resources is set, but the first policy runs on verl's own pool "
+                "(trainer.n_gpus_per_node x trainer.nnodes). Give a pool of its own only to further policies, "
+                "or list another policy first."
+            ]
+        if not isinstance(resources, Mapping) or set(resources) - {"n_gpus_per_node", "nnodes"}:
+            return [f"mas.policies.{name}.resources is {resources!r}; use {{n_gpus_per_node: N, nnodes: M}}."]
+        bad = [k for k in ("n_gpus_per_node", "nnodes") if k in resources
+               and (not isinstance(resources[k], int) or resources[k] < 1)]
+        if "n_gpus_per_node" not in resources or bad:
+            return [f"mas.policies.{name}.resources is {dict(resources)!r}; n_gpus_per_node (required) and nnodes "
+                    "(default 1) must be integers >= 1."]
+        return []
+
+    def policy_resources(self, name: str) -> list[int] | None:
+        """GPUs per node of the policy's own resource pool, or None when it shares verl's pool."""
+        resources = (self.policies.get(name) or {}).get(POLICY_RESOURCES)
+        if not resources:
+            return None
+        return [int(resources["n_gpus_per_node"])] * int(resources.get("nnodes", 1))
 
     @property
     def policy_names(self) -> list[str]:

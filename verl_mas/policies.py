@@ -17,7 +17,7 @@ from typing import Any
 
 from verl.workers.rollout.llm_server import LLMServerClient
 
-from verl_mas.config import MasConfig, MasConfigError
+from verl_mas.config import POLICY_RESOURCES, MasConfig, MasConfigError
 
 __all__ = ["PolicyRouterClient", "PolicyStack", "policy_configs", "ROLLOUT_POLICY_KEY"]
 
@@ -51,7 +51,7 @@ def policy_configs(actor_rollout_ref: Any, mas: MasConfig) -> dict[str, Any]:
     problems: list[str] = []
     out: dict[str, Any] = {}
     for i, (name, overrides) in enumerate(mas.policies.items()):
-        overrides = dict(overrides or {})
+        overrides = {k: v for k, v in (overrides or {}).items() if k != POLICY_RESOURCES}
         problems.extend(_unknown_keys(base, overrides, name))
         merged = OmegaConf.merge(OmegaConf.create(copy.deepcopy(base)), OmegaConf.create(overrides))
         if i > 0:
@@ -123,3 +123,4 @@ class PolicyStack:
     ref_in_actor: bool
     server_manager: Any
     checkpoint_manager: Any
+    pool: str = "global_pool"  # the resource pool its workers and rollout replicas live on

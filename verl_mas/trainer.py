@@ -24,13 +24,11 @@ logged as ``policy/<name>/<metric>``; verl's own metric names carry the mean ove
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import logging
 import math
 import os
 from collections import defaultdict
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -85,11 +83,15 @@ class MasTrainer(PPOTrainerSync):
     # ---------------------------------------------------------------------------------------------
     def _init_resource_pool_mgr(self) -> None:
         super()._init_resource_pool_mgr()
-        # Every policy's worker group shares the pool (one process per policy per GPU); verl's default
-        # allows 3 colocated groups per bundle.
+        # Policies without resources of their own share verl's pool (one process per policy per GPU);
+        # verl's default allows 3 colocated groups per bundle.
         needed = len(self.mas.policies) + 1
         if self.resource_pool_manager.max_colocate_count < needed:
             self.resource_pool_manager.max_colocate_count = needed
+        for name in self.mas.policy_names[1:]:
+            gpus = self.mas.policy_resources(name)
+            if gpus is not None:  # created with verl's pools; its GPUs count in verl's availability check
+                self.resource_pool_manager.resource_pool_spec[_pool_name(name)] = gpus
 
     def _setup(self) -> None:
         super()._setup()
@@ -102,6 +104,7 @@ class MasTrainer(PPOTrainerSync):
             ref_in_actor=self.ref_in_actor,
             server_manager=self.llm_server_manager,
             checkpoint_manager=self.checkpoint_manager,
+            pool=self.mapping[next(iter(self.role_worker_mapping))],
         )
         for name in self.mas.policy_names[1:]:
             self.stacks[name] = self._build_policy_stack(name, self._policy_configs[name])
@@ -126,7 +129,9 @@ class MasTrainer(PPOTrainerSync):
         lora_rank = arr.model.get("lora", {}).get("rank", 0) or arr.model.get("lora_rank", 0)
         ref_in_actor = lora_rank > 0 or arr.model.get("lora_adapter_path") is not None
         role = Role.ActorRolloutRef if self.use_reference_policy and not ref_in_actor else Role.ActorRollout
-        pool = self.resource_pool_manager.get_resource_pool(role if role in self.mapping else Role.ActorRollout)
+        pools = self.resource_pool_manager.resource_pool_dict
+        pool_name = _pool_name(name) if _pool_name(name) in pools else self.mapping[next(iter(self.role_worker_mapping))]
+        pool = pools[pool_name]
         cls = RayClassWithInitArgs(cls=ray.remote(ActorRolloutRefWorker), config=arr, role=str(role))
         group = RayWorkerGroup(
             resource_pool=pool,
@@ -155,6 +160,7 @@ class MasTrainer(PPOTrainerSync):
             ref_in_actor=ref_in_actor,
             server_manager=server_manager,
             checkpoint_manager=checkpoint_manager,
+            pool=pool_name,
         )
 
     def _extra_stacks(self) -> list[PolicyStack]:
@@ -211,35 +217,56 @@ class MasTrainer(PPOTrainerSync):
         # verl saves the first policy in actor/, the dataloader, and writes the "latest" marker last.
         super()._save_checkpoint()
 
-    @contextlib.contextmanager
-    def _policy(self, stack: PolicyStack) -> Iterator[None]:
-        """Run verl's per-batch methods against ``stack``'s worker group."""
-        saved = (self.actor_rollout_wg, getattr(self, "ref_policy_wg", None), self.ref_in_actor)
-        self.actor_rollout_wg = stack.worker_group
-        self.ref_policy_wg = stack.ref_worker_group
-        self.ref_in_actor = stack.ref_in_actor
-        try:
-            yield
-        finally:
-            self.actor_rollout_wg, self.ref_policy_wg, self.ref_in_actor = saved
+    def _view(self, stack: PolicyStack) -> MasTrainer:
+        """This trainer as seen by one policy: verl's per-batch methods called on the view use the
+        policy's worker groups. Each view has its own copy of the config (the update adjusts the
+        mini-batch size per call), so views of different policies can run in parallel threads."""
+        view = copy.copy(self)
+        view.config = copy.deepcopy(self.config)
+        view.actor_rollout_wg = stack.worker_group
+        view.ref_policy_wg = stack.ref_worker_group
+        view.ref_in_actor = stack.ref_in_actor
+        return view
 
-    def _per_policy(self, batch: Any, metrics: dict, method: Any) -> Any:
-        """Call ``method(sub_batch, metrics)`` once per policy on that policy's rows; merge the metrics."""
+    def _per_policy(self, batch: Any, metrics: dict, method: Any, phase: str) -> Any:
+        """Run ``method(view, sub_batch, metrics)`` for every policy on its own rows; merge the metrics.
+
+        Policies sharing a resource pool run one after another (they share the GPUs' memory); a policy on
+        a pool of its own runs concurrently with them. ``mas/policies/<phase>_concurrency`` is the sum of
+        the policies' durations over the wall time of the phase (1.0: sequential).
+        """
         if not self.mas.multi_policy:
-            return method(batch, metrics)
-        per_policy: dict[str, dict] = {}
+            return method(self, batch, metrics)
+        import time
+        from concurrent.futures import ThreadPoolExecutor
+
+        lanes: dict[str, list[str]] = defaultdict(list)
         for name in self.mas.policy_names:
-            keys = self._policy_keys.get(name) or []
-            if not keys:
-                continue
-            sub = batch.select_keys(keys)
-            sub.extra_info = dict(batch.extra_info or {})
-            out: dict = {}
-            with self._policy(self.stacks[name]):
-                method(sub, out)
-            batch.extra_info.update(sub.extra_info)
-            per_policy[name] = out
+            if self._policy_keys.get(name):
+                lanes[self.stacks[name].pool].append(name)
+        per_policy: dict[str, dict] = {name: {} for lane in lanes.values() for name in lane}
+        durations: dict[str, float] = {}
+
+        def run_lane(names: list[str]) -> None:
+            for name in names:
+                sub = batch.select_keys(self._policy_keys[name])
+                sub.extra_info = dict(batch.extra_info or {})
+                start = time.perf_counter()
+                method(self._view(self.stacks[name]), sub, per_policy[name])
+                durations[name] = time.perf_counter() - start
+
+        start = time.perf_counter()
+        if len(lanes) == 1:
+            run_lane(next(iter(lanes.values())))
+        else:
+            with ThreadPoolExecutor(max_workers=len(lanes), thread_name_prefix="mas-policy") as pool:
+                for future in [pool.submit(run_lane, names) for names in lanes.values()]:
+                    future.result()
+        wall = time.perf_counter() - start
+        for name, seconds in durations.items():
+            per_policy[name][f"timing_s/policy_{phase}"] = seconds
         metrics.update(merge_policy_metrics(per_policy))
+        metrics[f"mas/policies/{phase}_concurrency"] = sum(durations.values()) / wall if wall > 0 else 1.0
         return batch
 
     def _balance_batch(self, batch: Any, metrics: dict, logging_prefix: str = "global_seqlen",
@@ -260,8 +287,9 @@ class MasTrainer(PPOTrainerSync):
                 continue
             sub = batch.select_keys(by_policy[name])
             out: dict = {}
-            with self._policy(self.stacks[name]):
-                sub = super()._balance_batch(sub, out, logging_prefix=logging_prefix, keep_minibatch=keep_minibatch)
+            sub = super(MasTrainer, self._view(self.stacks[name]))._balance_batch(
+                sub, out, logging_prefix=logging_prefix, keep_minibatch=keep_minibatch
+            )
             self._policy_keys[name] = list(sub.keys)
             per_policy[name] = out
             parts.append(sub)
@@ -271,12 +299,14 @@ class MasTrainer(PPOTrainerSync):
         return merged
 
     def _compute_old_log_prob(self, batch: Any, metrics: dict) -> Any:
-        self._per_policy(batch, metrics, lambda b, m: super(MasTrainer, self)._compute_old_log_prob(b, metrics=m))
-        return batch
+        return self._per_policy(
+            batch, metrics, lambda v, b, m: super(MasTrainer, v)._compute_old_log_prob(b, metrics=m), "old_log_prob"
+        )
 
     def _compute_ref_log_prob(self, batch: Any, metrics: dict) -> Any:
-        self._per_policy(batch, metrics, lambda b, m: super(MasTrainer, self)._compute_ref_log_prob(b, metrics=m))
-        return batch
+        return self._per_policy(
+            batch, metrics, lambda v, b, m: super(MasTrainer, v)._compute_ref_log_prob(b, metrics=m), "ref"
+        )
 
     def _compute_metrics(self, batch: Any, metrics: dict, timing_raw: dict, global_steps: int, epoch: int) -> Any:
         result = super()._compute_metrics(batch, metrics, timing_raw, global_steps, epoch)
@@ -343,7 +373,7 @@ class MasTrainer(PPOTrainerSync):
         the mini-batch is the rows of ``ppo_mini_batch_size`` tasks: ``train_batch_size /
         ppo_mini_batch_size`` optimiser steps per training step, as in stock verl.
         """
-        return self._per_policy(batch, metrics, self._update_policy_actor)
+        return self._per_policy(batch, metrics, lambda v, b, m: v._update_policy_actor(b, m), "update_actor")
 
     def _update_policy_actor(self, batch: Any, metrics: dict) -> Any:
         actor = self.config.actor_rollout_ref.actor
@@ -513,6 +543,11 @@ def merge_policy_metrics(per_policy: dict[str, dict]) -> dict[str, float]:
     for key, values in pooled.items():
         out[key] = float(np.mean(values))
     return out
+
+
+def _pool_name(policy: str) -> str:
+    """The resource pool of a policy with ``resources`` of its own."""
+    return f"mas_policy_{policy}"
 
 
 def _check_routing(config: Any, mas: MasConfig) -> None:
