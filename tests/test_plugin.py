@@ -124,10 +124,11 @@ def test_stock_verl_is_unchanged_without_the_cpu_platform() -> None:
         """
         import json, os
         import verl
-        from verl.utils import distributed
+        from verl.utils import distributed, fsdp_utils
         from verl_mas.backends.cpu_platform import PlatformCPU
         print(json.dumps({
-            "patched": getattr(distributed.initialize_global_process_group_ray, "_verl_mas_cpu", False),
+            "patched": getattr(distributed.initialize_global_process_group_ray, "_verl_mas_cpu", False)
+            or getattr(fsdp_utils.CPUOffloadPolicy, "_verl_mas_cpu", False),
             "engine_device": os.environ.get("VERL_ENGINE_DEVICE"),
             "cpu_autodetected": PlatformCPU().is_platform_available(use_smi_check=True),
         }))
@@ -165,6 +166,38 @@ def test_cpu_platform_runs_a_gloo_process_group_through_verls_own_initialiser() 
     assert state == {"device": "cpu", "backend": "gloo", "sum": [1.0, 1.0, 1.0], "mem_ok": True}
 
 
+def test_cpu_platform_runs_verls_forward_only_fsdp2_offload_without_pinned_memory() -> None:
+    """verl builds the reference model with FSDP2 ``CPUOffloadPolicy(pin_memory=True)``; pinning needs an
+    accelerator. On the CPU platform the engine's policy does not pin, and a sharded forward runs."""
+    proc = _run(
+        """
+        import json, torch
+        import verl
+        from verl.utils.distributed import initialize_global_process_group_ray
+        from verl.workers.engine.fsdp import transformer_impl
+        from verl.utils.fsdp_utils import MixedPrecisionPolicy, fully_shard
+        initialize_global_process_group_ray(timeout_second=60)
+        policy = transformer_impl.CPUOffloadPolicy(pin_memory=True)  # exactly what verl's engine asks for
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+        expected = model(torch.ones(1, 4)).detach()
+        fully_shard(model, offload_policy=policy, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32))
+        with torch.no_grad():
+            got = model(torch.ones(1, 4))
+        print(json.dumps({"pin_memory": policy.pin_memory, "max_diff": float((got - expected).abs().max())}))
+        torch.distributed.destroy_process_group()
+        """,
+        VERL_PLATFORM="cpu",
+        RANK="0",
+        WORLD_SIZE="1",
+        LOCAL_RANK="0",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(30500 + os.getpid() % 1000),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    state = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert state["pin_memory"] is False and state["max_diff"] < 1e-6
+
+
 def test_verl_still_needs_the_cpu_overrides() -> None:
     """Pinned to verl 0.9.1: fails when verl changes what the CPU platform works around.
 
@@ -184,6 +217,9 @@ def test_verl_still_needs_the_cpu_overrides() -> None:
 
     fsdp2 = EngineRegistry._engines["language_model"]["fsdp2"]
     assert "cuda" in fsdp2 and "cpu" not in fsdp2
+    from verl.workers.engine.fsdp import transformer_impl
+
+    assert "CPUOffloadPolicy(pin_memory=True)" in inspect.getsource(transformer_impl)
 
 
 @pytest.mark.parametrize("name", ["hf"])

@@ -14,7 +14,10 @@ that fails when verl changes under it:
   is ``cpu:gloo,cpu:gloo`` and is rejected by torch ("Duplicate device type cpu"); the CPU platform
   makes verl's default ``cpu:gloo``;
 - engine lookup: verl registers its FSDP/FSDP2 engines for ``cuda`` and ``npu`` only, although FSDP2
-  runs on CPU parameters; the platform sets verl's ``VERL_ENGINE_DEVICE`` override to find them.
+  runs on CPU parameters; the platform sets verl's ``VERL_ENGINE_DEVICE`` override to find them;
+- FSDP2's CPU offload policy: verl's engine builds forward-only models (the reference policy) with
+  ``CPUOffloadPolicy(pin_memory=True)``, and pinning memory needs an accelerator; on the CPU platform the
+  policy never pins (the parameters already live in host memory).
 """
 
 from __future__ import annotations
@@ -326,6 +329,29 @@ ENGINE_DEVICE_ENV = "VERL_ENGINE_DEVICE"
 _installed = SimpleNamespace(done=False)
 
 
+def _patch_cpu_offload_policy() -> None:
+    """Make verl's FSDP2 ``CPUOffloadPolicy`` unpinned (``pin_memory`` needs an accelerator).
+
+    Must run before ``verl.workers.engine.fsdp.transformer_impl`` binds the name from
+    ``verl.utils.fsdp_utils``, i.e. at plugin load, like the process-group patch.
+    """
+    from verl.utils import fsdp_utils
+
+    original = fsdp_utils.CPUOffloadPolicy
+    if original is None or getattr(original, "_verl_mas_cpu", False):
+        return
+
+    class UnpinnedCPUOffloadPolicy(original):  # type: ignore[misc, valid-type]
+        """FSDP2's CPU offload policy without pinned memory (the CPU platform has no accelerator)."""
+
+        _verl_mas_cpu = True
+
+        def __init__(self, pin_memory: bool = True) -> None:
+            super().__init__(pin_memory=False)
+
+    fsdp_utils.CPUOffloadPolicy = UnpinnedCPUOffloadPolicy
+
+
 def install() -> None:
     """Activate the CPU pieces in this process when ``VERL_PLATFORM=cpu`` (idempotent).
 
@@ -335,5 +361,6 @@ def install() -> None:
     if _installed.done or not cpu_platform_selected():
         return
     _patch_process_group_backend()
+    _patch_cpu_offload_policy()
     os.environ.setdefault(ENGINE_DEVICE_ENV, "cuda")
     _installed.done = True
