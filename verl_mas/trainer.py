@@ -104,7 +104,7 @@ class MasTrainer(PPOTrainerSync):
             ref_in_actor=self.ref_in_actor,
             server_manager=self.llm_server_manager,
             checkpoint_manager=self.checkpoint_manager,
-            pool=self.mapping[next(iter(self.role_worker_mapping))],
+            pool=self._verl_pool_name(),
         )
         for name in self.mas.policy_names[1:]:
             self.stacks[name] = self._build_policy_stack(name, self._policy_configs[name])
@@ -117,7 +117,8 @@ class MasTrainer(PPOTrainerSync):
                 logger.info("policy %s resumed from %s", name, self._resume_folder)
 
     def _build_policy_stack(self, name: str, arr: Any) -> PolicyStack:
-        """One more trainable model: worker group on the shared pool, rollout replicas, weight sync."""
+        """One more trainable model: worker group (on verl's pool, or its own with ``resources``), rollout
+        replicas, weight sync."""
         import ray
         from verl.checkpoint_engine import CheckpointEngineManager
         from verl.single_controller.ray import RayClassWithInitArgs, RayWorkerGroup, create_colocated_worker_cls
@@ -130,7 +131,7 @@ class MasTrainer(PPOTrainerSync):
         ref_in_actor = lora_rank > 0 or arr.model.get("lora_adapter_path") is not None
         role = Role.ActorRolloutRef if self.use_reference_policy and not ref_in_actor else Role.ActorRollout
         pools = self.resource_pool_manager.resource_pool_dict
-        pool_name = _pool_name(name) if _pool_name(name) in pools else self.mapping[next(iter(self.role_worker_mapping))]
+        pool_name = _pool_name(name) if _pool_name(name) in pools else self._verl_pool_name()
         pool = pools[pool_name]
         cls = RayClassWithInitArgs(cls=ray.remote(ActorRolloutRefWorker), config=arr, role=str(role))
         group = RayWorkerGroup(
@@ -162,6 +163,10 @@ class MasTrainer(PPOTrainerSync):
             checkpoint_manager=checkpoint_manager,
             pool=pool_name,
         )
+
+    def _verl_pool_name(self) -> str:
+        """The resource pool of verl's own actor/rollout workers (the first policy's)."""
+        return self.mapping[next(iter(self.role_worker_mapping))]
 
     def _extra_stacks(self) -> list[PolicyStack]:
         return [self.stacks[n] for n in self.mas.policy_names[1:] if n in self.stacks]
@@ -208,11 +213,16 @@ class MasTrainer(PPOTrainerSync):
                 )
 
     def _save_checkpoint(self) -> None:
-        folder = os.path.join(self.config.trainer.default_local_dir, f"global_step_{self.global_steps}")
+        step_dir = f"global_step_{self.global_steps}"
+        folder = os.path.join(self.config.trainer.default_local_dir, step_dir)
+        remote = self.config.trainer.default_hdfs_dir
         keep = self.config.trainer.get("max_actor_ckpt_to_keep", None)
         for stack in self._extra_stacks():
             stack.worker_group.save_checkpoint(
-                os.path.join(folder, f"actor_{stack.name}"), None, self.global_steps, max_ckpt_to_keep=keep
+                os.path.join(folder, f"actor_{stack.name}"),
+                None if remote is None else os.path.join(remote, step_dir, f"actor_{stack.name}"),
+                self.global_steps,
+                max_ckpt_to_keep=keep,
             )
         # verl saves the first policy in actor/, the dataloader, and writes the "latest" marker last.
         super()._save_checkpoint()
