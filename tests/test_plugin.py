@@ -139,8 +139,23 @@ def test_stock_verl_is_unchanged_without_the_cpu_platform() -> None:
     assert state == {"patched": False, "engine_device": None, "cpu_autodetected": False}
 
 
-def test_cpu_platform_runs_a_gloo_process_group_through_verls_own_initialiser() -> None:
+def _run_cpu_rank(code: str, port_base: int) -> dict:
+    """Run ``code`` as rank 0 of a one-process group on the CPU platform; its last stdout line is JSON."""
     proc = _run(
+        code,
+        VERL_PLATFORM="cpu",
+        RANK="0",
+        WORLD_SIZE="1",
+        LOCAL_RANK="0",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port_base + os.getpid() % 1000),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_cpu_platform_runs_a_gloo_process_group_through_verls_own_initialiser() -> None:
+    state = _run_cpu_rank(
         """
         import json, torch
         import verl
@@ -154,22 +169,15 @@ def test_cpu_platform_runs_a_gloo_process_group_through_verls_own_initialiser() 
                           "sum": t.tolist(), "mem_ok": 0 < free <= total}))
         torch.distributed.destroy_process_group()
         """,
-        VERL_PLATFORM="cpu",
-        RANK="0",
-        WORLD_SIZE="1",
-        LOCAL_RANK="0",
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(29500 + os.getpid() % 1000),
+        port_base=29500,
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    state = json.loads(proc.stdout.strip().splitlines()[-1])
     assert state == {"device": "cpu", "backend": "gloo", "sum": [1.0, 1.0, 1.0], "mem_ok": True}
 
 
 def test_cpu_platform_runs_verls_forward_only_fsdp2_offload_without_pinned_memory() -> None:
     """verl builds the reference model with FSDP2 ``CPUOffloadPolicy(pin_memory=True)``; pinning needs an
     accelerator. On the CPU platform the engine's policy does not pin, and a sharded forward runs."""
-    proc = _run(
+    state = _run_cpu_rank(
         """
         import json, torch
         import verl
@@ -186,15 +194,8 @@ def test_cpu_platform_runs_verls_forward_only_fsdp2_offload_without_pinned_memor
         print(json.dumps({"pin_memory": policy.pin_memory, "max_diff": float((got - expected).abs().max())}))
         torch.distributed.destroy_process_group()
         """,
-        VERL_PLATFORM="cpu",
-        RANK="0",
-        WORLD_SIZE="1",
-        LOCAL_RANK="0",
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(30500 + os.getpid() % 1000),
+        port_base=30500,
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    state = json.loads(proc.stdout.strip().splitlines()[-1])
     assert state["pin_memory"] is False and state["max_diff"] < 1e-6
 
 
