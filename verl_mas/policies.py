@@ -3,8 +3,8 @@
 A *policy* is a model that serves one or more roles (``mas.policies`` / ``mas.roles.<role>.policy``).
 The first policy runs in verl's own actor/rollout stack (``actor_rollout_ref`` with its overrides); every
 further policy gets a stack of its own built from the same verl pieces: an ``ActorRolloutRefWorker``
-group on the shared resource pool, its rollout replicas (``LLMServerManager``) and its weight sync
-(``CheckpointEngineManager``). The agent loop sends each role's requests to its policy through
+group (on verl's resource pool, or on its own with ``resources``), its rollout replicas
+(``LLMServerManager``) and its weight sync (``CheckpointEngineManager``). The agent loop sends each role's requests to its policy through
 :class:`PolicyRouterClient`; the ``mas`` trainer splits every batch by policy.
 """
 
@@ -28,7 +28,10 @@ ROLLOUT_POLICY_KEY = "mas_policy"
 
 def rollout_policy(rollout_config: Any) -> str | None:
     """The policy a rollout config serves (None: the first policy, verl's own stack)."""
-    custom = getattr(rollout_config, "custom", None) if not isinstance(rollout_config, Mapping) else rollout_config.get("custom")
+    if isinstance(rollout_config, Mapping):
+        custom = rollout_config.get("custom")
+    else:
+        custom = getattr(rollout_config, "custom", None)
     if not custom:
         return None
     value = custom.get(ROLLOUT_POLICY_KEY) if hasattr(custom, "get") else None
@@ -47,7 +50,10 @@ def policy_configs(actor_rollout_ref: Any, mas: MasConfig) -> dict[str, Any]:
     """
     from omegaconf import OmegaConf, open_dict
 
-    base = OmegaConf.to_container(actor_rollout_ref, resolve=True) if not isinstance(actor_rollout_ref, dict) else actor_rollout_ref
+    if isinstance(actor_rollout_ref, dict):
+        base = actor_rollout_ref
+    else:
+        base = OmegaConf.to_container(actor_rollout_ref, resolve=True)
     problems: list[str] = []
     out: dict[str, Any] = {}
     for i, (name, overrides) in enumerate(mas.policies.items()):
