@@ -100,12 +100,13 @@ def test_per_role_models_of_different_sizes_train_route_sync_save_and_resume(tmp
           f"{len(runner_before)}")
 
     # Kill and resume: a new main_ppo process continues at step 3 from the step-2 checkpoint of every
-    # policy. Greedy validation before the resumed step reproduces the validation after step 2 exactly
-    # (same weights in both policies' servers), and one more step changes it (the check can fail).
+    # policy: greedy validation before the resumed step reproduces the validation after step 2 exactly
+    # (same weights in both policies' servers), and every policy's optimiser continues its count (Adam's
+    # step is 3 in the step-3 checkpoint; a policy restarted from scratch would have 1).
     # The resumed run also moves the runner to a resource pool of its own (a second logical GPU), where
     # its log-probs and update run concurrently with the caller's.
     resumed = _run(run_dir, *policies, "trainer.total_training_steps=3", "trainer.val_before_train=True",
-                   "trainer.test_freq=3", f"trainer.validation_data_dir={run_dir / 'val2'}",
+                   "trainer.test_freq=3", f"trainer.validation_data_dir={run_dir / 'val2'}", "trainer.save_freq=3",
                    "+mas.policies.runner.resources={n_gpus_per_node: 1}", "ray_kwargs.ray_init.num_gpus=2")
     new = resumed  # verl's file logger starts metrics.jsonl afresh in every process
     assert [m["step"] for m in new if "mas/success_rate" in m["data"]] == [3]
@@ -121,7 +122,11 @@ def test_per_role_models_of_different_sizes_train_route_sync_save_and_resume(tmp
           f"{step3['mas/policies/update_actor_concurrency']:.2f}")
     after_step2 = _val_outputs(run_dir / "val1" / "2.jsonl")
     assert _val_outputs(run_dir / "val2" / "2.jsonl") == after_step2
-    assert _val_outputs(run_dir / "val2" / "3.jsonl") != after_step2
+    for policy in ("actor", "actor_runner"):
+        for step, expected in ((2, 2.0), (3, 3.0)):  # one optimiser step per training step (one mini-batch)
+            optim = torch.load(run_dir / "checkpoints" / f"global_step_{step}" / policy / "optim_world_size_1_rank_0.pt",
+                               weights_only=False)
+            assert {float(v["step"]) for v in optim["state"].values()} == {expected}, (policy, step)
     print(f"[per-role-models] resume: {len(after_step2)} greedy validation outputs identical before/after the restart")
 
 
