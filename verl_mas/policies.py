@@ -123,7 +123,6 @@ class PolicyStack:
     """One policy's pieces in the trainer: its config, worker group, rollout servers and weight sync."""
 
     name: str
-    config: Any  # the policy's actor_rollout_ref
     worker_group: Any
     ref_worker_group: Any
     ref_in_actor: bool

@@ -98,7 +98,6 @@ class MasTrainer(PPOTrainerSync):
         primary = self.mas.policy_names[0]
         self.stacks[primary] = PolicyStack(
             name=primary,
-            config=self.config.actor_rollout_ref,
             worker_group=self.actor_rollout_wg,
             ref_worker_group=getattr(self, "ref_policy_wg", None),
             ref_in_actor=self.ref_in_actor,
@@ -155,7 +154,6 @@ class MasTrainer(PPOTrainerSync):
                     len(server_manager.get_replicas()))
         return PolicyStack(
             name=name,
-            config=arr,
             worker_group=worker_group,
             ref_worker_group=worker_group if (self.use_reference_policy or ref_in_actor) else None,
             ref_in_actor=ref_in_actor,
