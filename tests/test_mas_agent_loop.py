@@ -48,6 +48,7 @@ def _make_loop(tiny_model_dir: Path, mas_block: dict):
         {
             "actor_rollout_ref": {"rollout": {"response_length": 6, "prompt_length": 512}},
             "data": {"apply_chat_template_kwargs": {}},
+            "trainer": {"v1": {"trainer_mode": "mas"}},
             "mas": mas_block,
         }
     )

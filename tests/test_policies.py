@@ -115,17 +115,19 @@ def test_merge_policy_metrics_prefixes_and_means() -> None:
 
 
 def test_routing_check_reads_the_workflows_named_by_the_data(tmp_path: Path) -> None:
+    from verl_mas.config import _roles_of_workflows
     from verl_mas.data import write_dataset
-    from verl_mas.trainer import _check_routing
 
     write_dataset("relay-v0", tmp_path, train=4, test=2, seed=0)
     config = OmegaConf.create({"data": {"train_files": str(tmp_path / "train.parquet"),
                                         "val_files": str(tmp_path / "test.parquet")}})
-    _check_routing(config, MasConfig.from_mapping(TWO))  # both relay roles routed
+    two = MasConfig.from_mapping(TWO)
+    assert two.routing_problems(_roles_of_workflows(config, two)) == []  # both relay roles routed
     half = MasConfig.from_mapping({"policies": {"caller": {}, "runner": {}},
                                    "roles": {"caller": {"policy": "caller"}, "planner": {"policy": "runner"}}})
-    with pytest.raises(MasConfigError, match=r"workflow 'relay-v0' has roles \['runner'\] that no policy serves"):
-        _check_routing(config, half)
+    assert half.routing_problems(_roles_of_workflows(config, half)) == [
+        "workflow 'relay-v0' has roles ['runner'] that no policy serves: with several policies (['caller', 'runner']) "
+        "every role needs mas.roles.<role>.policy."]
 
 
 class _RecordingClient:
@@ -170,7 +172,8 @@ async def test_each_role_reaches_its_policys_model(tmp_path: Path) -> None:
     mas = {"branching": 2, "max_turns": 2, "policies": {"p": {}, "m": {}},
            "roles": {"planner": {"policy": "p"}, "mover": {"policy": "m"}}}
     config = OmegaConf.create({"actor_rollout_ref": {"rollout": {"response_length": 4, "prompt_length": 512}},
-                               "data": {"apply_chat_template_kwargs": {}}, "mas": mas})
+                               "data": {"apply_chat_template_kwargs": {}}, "mas": mas,
+                               "trainer": {"v1": {"trainer_mode": "mas"}}})
     loop = MasAgentLoop(trainer_config=DictConfigWrap(config), server_manager=router,
                         tokenizer=AutoTokenizer.from_pretrained(small), processor=None, dataset_cls=None,
                         data_config=DictConfigWrap(config.data))

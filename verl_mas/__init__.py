@@ -11,7 +11,7 @@ from verl_mas.chat import Message, assistant, render_prompt, system, user
 from verl_mas.client import GenerateRequest, LLMClient, Sample, fan_out
 from verl_mas.engine import run_episode
 from verl_mas.episode import Candidate, Candidates, Episode, EpisodeConfig, group_key
-from verl_mas.errors import InfraError, LLMClientError, WorkflowError
+from verl_mas.errors import ContextOverflowError, InfraError, LLMClientError, WorkflowError
 from verl_mas.registry import get_workflow, register_workflow, registered_workflows
 from verl_mas.workflow import Workflow
 
@@ -20,6 +20,7 @@ __version__ = "0.1.0.dev0"
 __all__ = [
     "Candidate",
     "Candidates",
+    "ContextOverflowError",
     "Episode",
     "EpisodeConfig",
     "GenerateRequest",

@@ -13,7 +13,12 @@ verl's AgentLoopWorker instantiates this class for rows whose ``agent_name`` is 
 
 verl copies the last output's ``reward_score`` onto the earlier outputs of a run, so each candidate's own
 reward travels in ``extra_fields["mas_reward"]``; the ``mas`` trainer rebuilds the token-level scores
-from it.
+from it. For the same reason the loop refuses to run under any trainer mode but ``mas``.
+
+Failures: a rollout server that is gone (a lost actor, a timeout) is an infrastructure failure (the
+candidate is dropped, and an episode left without candidates is aborted); a server that *raises* on a
+request does so deterministically (a bad request) and stops the run. A prompt the model cannot answer any
+more (longer than the context allows) is the workflow's own outcome: the episode ends as a failure.
 """
 
 from __future__ import annotations
@@ -27,10 +32,11 @@ from typing import Any
 from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopMetrics, AgentLoopOutput
 
 from verl_mas.client import GenerateRequest, Sample, fan_out
-from verl_mas.config import MasConfig
+from verl_mas.config import MasConfig, mas_trainer_selected
 from verl_mas.engine import run_episode
-from verl_mas.episode import Candidate, Episode
+from verl_mas.episode import GROUP_KEY_SEP, Candidate, Episode
 from verl_mas.errors import InfraError
+from verl_mas.policies import candidate_request_id
 
 logger = logging.getLogger(__name__)
 
@@ -49,35 +55,69 @@ def episode_seed(uid: str, session_id: int) -> int:
     return int.from_bytes(digest, "little") & ((1 << 31) - 1)
 
 
+class RolloutServerError(RuntimeError):
+    """A rollout server raised on a request: deterministic (the same request fails again), so the run stops."""
+
+
+def _is_infra_cause(cause: BaseException | None) -> bool:
+    """Whether an exception raised inside a rollout server is the infrastructure's (transient), not the request's."""
+    import torch
+
+    transient = (InfraError, TimeoutError, ConnectionError, MemoryError, torch.OutOfMemoryError)
+    return isinstance(cause, transient)
+
+
 class VerlServerClient:
     """:class:`verl_mas.LLMClient` over verl's LLM server client (``server_manager`` of an agent loop).
 
     verl's servers take one sample per request, so a group of K is K concurrent requests of the same
-    prompt ids. Ray and server failures are infrastructure failures: the candidate is dropped.
+    prompt ids, each with its own request id routed by the (episode, role) session
+    (:func:`verl_mas.policies.candidate_request_id`). A lost server (Ray actor errors, timeouts, a server
+    out of memory) is an infrastructure failure: the candidate is dropped. A server that raises on the
+    request (e.g. verl's "leaves no room to generate") raises :class:`RolloutServerError`.
     """
 
     def __init__(
-        self, server_manager: Any, sampling_params: Mapping[str, Any], policy_of: Callable[[str], str] | None = None
+        self,
+        server_manager: Any,
+        sampling_params: Mapping[str, Any],
+        policy_of: Callable[[str], str] | None = None,
+        sampling_of: Mapping[str, Mapping[str, Any]] | None = None,
     ) -> None:
         self.server_manager = server_manager
         self.sampling_params = dict(sampling_params)
-        # With several policies each role's requests carry its policy (verl_mas.policies.PolicyRouterClient).
+        # With several policies each role's requests carry its policy (verl_mas.policies.PolicyRouterClient)
+        # and the policy's own sampling settings (temperature, top_p, top_k) over verl's.
         self.policy_of = policy_of
+        self.sampling_of = {k: dict(v) for k, v in (sampling_of or {}).items()}
 
     async def generate(self, request: GenerateRequest) -> list[Sample]:
         import ray
 
-        routing = {"policy": self.policy_of(request.role)} if self.policy_of is not None else {}
+        policy = self.policy_of(request.role) if self.policy_of is not None else None
+        routing = {"policy": policy} if policy is not None else {}
+        sampling = {**self.sampling_params, **self.sampling_of.get(policy or "", {})}
+        turn = int(request.group_key.rpartition(GROUP_KEY_SEP)[2])
 
         async def one(i: int) -> Sample:
             try:
                 out = await self.server_manager.generate(
-                    request_id=request.session_id,
+                    request_id=candidate_request_id(request.session_id, turn, i),
                     prompt_ids=list(request.prompt_ids),
-                    sampling_params=dict(self.sampling_params),
+                    sampling_params=dict(sampling),
                     **routing,
                 )
-            except ray.exceptions.RayError as exc:
+            except ray.exceptions.RayTaskError as exc:
+                cause = getattr(exc, "cause", None)
+                if _is_infra_cause(cause):
+                    raise InfraError(f"rollout server failed for group {request.group_key}: {exc}") from exc
+                raise RolloutServerError(
+                    f"the rollout server raised {type(cause).__name__ if cause else 'an error'} on a request of group "
+                    f"{request.group_key} ({len(request.prompt_ids)} prompt tokens): {cause or exc}. A server that "
+                    "rejects a request rejects it again; this is a configuration or workflow bug, not a model "
+                    "mistake or a transient failure (check rollout.prompt_length/response_length/max_model_len)."
+                ) from exc
+            except ray.exceptions.RayError as exc:  # the actor or its node is gone, the object lost, ...
                 raise InfraError(f"rollout server failed for group {request.group_key}: {exc}") from exc
             if out.stop_reason == "aborted":
                 return Sample.failed("the rollout server aborted the request")
@@ -96,6 +136,15 @@ class MasAgentLoop(AgentLoopBase):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        if not mas_trainer_selected(self.config):
+            mode = (self.config.get("trainer", None) or {}).get("v1", {}).get("trainer_mode", None)
+            raise ValueError(
+                f"The mas agent loop runs under trainer.v1.trainer_mode={mode!r}, but only the mas trainer mode "
+                "trains its outputs correctly: one episode yields one row per candidate, each with its own reward "
+                "and (task, role, turn) group, and verl's other trainers copy the last row's reward onto every row "
+                "(at_grpo advantages become 0, grpo broadcasts one raw reward). Set trainer.v1.trainer_mode=mas "
+                "(with algorithm.adv_estimator=at_grpo), as recipes/at_grpo_cpu does."
+            )
         self.mas_config = MasConfig.from_verl_config(self.config)
         if self.mas_config.sandbox:
             # Workflows run model-written code through verl_mas.sandbox.run_python(): configure it from mas.sandbox.
@@ -103,6 +152,22 @@ class MasAgentLoop(AgentLoopBase):
 
             sandbox.configure(self.mas_config.sandbox)
         self.response_length = int(self.rollout_config.response_length)
+        # The longest prompt verl's servers can answer: they need at least one token of room.
+        max_model_len = self.rollout_config.get("max_model_len", None) or (
+            int(self.rollout_config.prompt_length) + self.response_length)
+        self.max_prompt_tokens = int(max_model_len) - 1
+
+    def _policy_sampling(self, validate: bool) -> dict[str, dict[str, Any]]:
+        """Each policy's own sampling settings (its rollout's temperature/top_p/top_k, or val_kwargs')."""
+        if not self.mas_config.multi_policy:
+            return {}
+        from verl_mas.policies import policy_configs
+
+        out = {}
+        for name, arr in policy_configs(self.config.actor_rollout_ref, self.mas_config).items():
+            source = arr.rollout.val_kwargs if validate else arr.rollout
+            out[name] = {k: source[k] for k in ("temperature", "top_p", "top_k") if k in source}
+        return out
 
     async def run(self, sampling_params: dict[str, Any], **kwargs: Any) -> list[AgentLoopOutput]:
         workflow_id, task = self._workflow_and_task(kwargs)
@@ -113,22 +178,31 @@ class MasAgentLoop(AgentLoopBase):
                 "The mas agent loop trains on the rollout log-probs of every candidate, but the rollout does not "
                 "return them. Set actor_rollout_ref.rollout.calculate_log_probs=True."
             )
-        policy_of = self.mas_config.policy_of if self.mas_config.multi_policy else None
-        client = VerlServerClient(self.server_manager, sampling_params, policy_of=policy_of)
         # verl does not tell an agent loop whether it runs a validation step; validation rows carry the
         # split python -m verl_mas.data wrote into extra_info.
         validate = (kwargs.get("extra_info") or {}).get("split") == "test"
+        policy_of = self.mas_config.policy_of if self.mas_config.multi_policy else None
+        client = VerlServerClient(self.server_manager, sampling_params, policy_of=policy_of,
+                                  sampling_of=self._policy_sampling(validate))
         episode = await run_episode(
             workflow_id,
             task,
             client=client,
             tokenizer=self.tokenizer,
-            config=self.mas_config.episode_config_for(validate=validate),
+            config=self.mas_config.episode_config_for(
+                validate=validate,
+                chat_template_kwargs=self.apply_chat_template_kwargs,
+                max_prompt_tokens=self.max_prompt_tokens,
+            ),
             seed=episode_seed(uid, session_id),
             task_uid=uid,
         )
         if episode.aborted:
             logger.warning("episode of %s for row %s aborted: %s", workflow_id, uid, episode.error)
+            if self.mas_config.grouping == "trajectory":
+                # Trajectory-level GRPO scores every row with the episode's outcome, which an infrastructure
+                # failure left unknown: none of its rows is trained on (the trainer counts it as aborted).
+                return []
         return self._outputs(episode, workflow_id)
 
     def _workflow_and_task(self, row: Mapping[str, Any]) -> tuple[str, Any]:
@@ -152,7 +226,11 @@ class MasAgentLoop(AgentLoopBase):
         steps = [int(c.extra.get("global_steps", 0) or 0) for c in trainable] or [0]
         episode_metrics = {k: float(v) for k, v in episode.metrics.items()}
         # verl's validation reports reward_extra_info per data source; "acc" becomes val-core/<source>/acc.
-        reward_extra_info = {"acc": episode_metrics["mas/success"]} if "mas/success" in episode_metrics else {}
+        if "mas/success" in episode_metrics:
+            # An aborted episode is a failure of the team (verl also counts a session without rows as acc 0).
+            reward_extra_info = {"acc": 0.0 if episode.aborted else episode_metrics["mas/success"]}
+        else:
+            reward_extra_info = {}
         outputs = []
         for i, cand in enumerate(trainable):
             outputs.append(

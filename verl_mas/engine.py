@@ -20,7 +20,7 @@ from typing import Any
 from verl_mas.chat import render_prompt
 from verl_mas.client import GenerateRequest, LLMClient, Sample, validate_samples
 from verl_mas.episode import GROUP_KEY_SEP, Candidate, Candidates, Episode, EpisodeConfig, group_key
-from verl_mas.errors import INFRA_EXCEPTIONS, InfraError, LLMClientError, WorkflowError
+from verl_mas.errors import INFRA_EXCEPTIONS, ContextOverflowError, InfraError, LLMClientError, WorkflowError
 from verl_mas.registry import get_workflow, workflow_name
 from verl_mas.workflow import Workflow
 
@@ -95,7 +95,14 @@ class EpisodeRuntime:
         key = group_key(self.task_uid, role, turn)
         self._order[key] = len(self._order)
         tokenizer = self._tokenizer_for(role)
-        prompt_ids = render_prompt(tokenizer, messages, chat_template_kwargs=self.config.chat_template_kwargs)
+        prompt_ids = render_prompt(tokenizer, messages, chat_template_kwargs=self.config.chat_template_kwargs_for(role))
+        limit = self.config.max_prompt_tokens
+        if limit is not None and len(prompt_ids) > limit:
+            # The workflow's own outcome (its chat grew too long), not an infrastructure failure.
+            raise ContextOverflowError(
+                f"the prompt of {role!r} at turn {turn} has {len(prompt_ids)} tokens; the model can answer prompts "
+                f"of at most {limit} (rollout.max_model_len or prompt_length + response_length, minus one)"
+            )
         n = self.config.branching
         request = GenerateRequest(
             role=role,
@@ -181,11 +188,11 @@ class EpisodeRuntime:
             alpha=float(self.config.alpha),
         )
 
-    def finish(self, *, aborted: bool, error: str | None) -> Episode:
+    def finish(self, *, aborted: bool, error: str | None, context_overflow: bool = False) -> Episode:
         """Check rewards and metrics, add the engine's metrics and build the :class:`Episode`."""
         groups = sorted(self.groups, key=lambda g: self._order[g.key])
         unrewarded = [(g.key, c.index) for g in groups for c in g if c.reward is None]
-        if unrewarded and not aborted:
+        if unrewarded and not aborted and not context_overflow:
             raise WorkflowError(
                 f"workflow {self.workflow_name!r} ended with {len(unrewarded)} unrewarded candidates "
                 f"(group, index): {unrewarded[:8]}{' ...' if len(unrewarded) > 8 else ''}. Every sampled candidate "
@@ -208,10 +215,13 @@ class EpisodeRuntime:
                 f"workflow {self.workflow_name!r} reported metrics that are not finite numbers: {bad!r}. "
                 "self.metrics holds floats only (they are averaged across episodes); convert or drop them."
             )
-        truncated = self.ran_out_of_turns and not self.terminated and not aborted
+        truncated = (self.ran_out_of_turns and not self.terminated or context_overflow) and not aborted
         terminated = not truncated and not aborted
         metrics = {k: float(v) for k, v in self.metrics.items()}
+        if context_overflow:
+            metrics["mas/success"] = 0.0  # the workflow did not reach its goal within the model's context
         metrics.update(self._engine_metrics(groups, terminated, truncated, aborted, incomplete))
+        metrics["mas/context_overflow"] = float(context_overflow)
         return Episode(
             workflow_id=self.workflow_name,
             task_uid=self.task_uid,
@@ -224,6 +234,7 @@ class EpisodeRuntime:
             aborted=aborted,
             error=error,
             metrics=metrics,
+            context_overflow=context_overflow,
         )
 
     def _engine_metrics(
@@ -272,7 +283,9 @@ async def run_episode(
 
     Returns:
         The :class:`Episode`. An infrastructure failure that leaves a group without any candidate
-        ends the episode early with ``aborted=True``: the groups completed before remain trainable.
+        ends the episode early with ``aborted=True``: the groups completed before remain trainable. A
+        prompt longer than ``config.max_prompt_tokens`` ends it truncated with ``context_overflow=True``
+        (a failure: ``mas/success`` 0).
 
     Raises:
         WorkflowError: When workflow code raises (chained; the message names workflow, role and turn),
@@ -302,12 +315,15 @@ async def run_episode(
         config=config,
         seed=seed,
     )
-    aborted, error = False, None
+    aborted, overflow, error = False, False, None
     instance = cls.__new__(cls)
     instance._runtime = runtime  # attached before __init__, so a custom __init__ may use self.rng
     try:
         instance.__init__()  # type: ignore[misc]
         await instance.run(task)
+    except ContextOverflowError as e:
+        overflow, error = True, f"{type(e).__name__}: {e}"
+        logger.info("%s (task %s): episode ended out of context: %s", name, task_uid, e)
     except InfraError as e:
         aborted, error = True, f"{type(e).__name__}: {e}"
         logger.warning("%s (task %s): episode aborted by an infrastructure failure: %s", name, task_uid, e)
@@ -319,4 +335,4 @@ async def run_episode(
             "not a model mistake: a model mistake (unparsable output, failing code) must become a low reward "
             "with candidate.parse_failed = True. See the chained traceback."
         ) from e
-    return runtime.finish(aborted=aborted, error=error)
+    return runtime.finish(aborted=aborted, error=error, context_overflow=overflow)

@@ -47,7 +47,14 @@ class EpisodeConfig:
     request_timeout_s: float | None = None
     """Per-group timeout of a model request; a timeout is an infrastructure failure. None: no timeout."""
     chat_template_kwargs: Mapping[str, Any] = field(default_factory=dict, hash=False)
-    """Extra chat-template variables, e.g. ``{"enable_thinking": False}`` for Qwen3."""
+    """Extra chat-template variables for every role's prompts, e.g. ``{"enable_thinking": False}`` for
+    Qwen3's non-thinking mode (the agent loop passes verl's ``data.apply_chat_template_kwargs``)."""
+    role_chat_template_kwargs: Mapping[str, Mapping[str, Any]] = field(default_factory=dict, hash=False)
+    """Per-role chat-template variables merged over ``chat_template_kwargs`` (``{role: {...}}``)."""
+    max_prompt_tokens: int | None = None
+    """The longest prompt the model can still answer (verl: the context length minus one token). A longer
+    prompt ends the episode as a failure of the workflow (``mas/context_overflow``), before any request.
+    None: no limit."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -66,9 +73,19 @@ class EpisodeConfig:
         t = self.request_timeout_s
         if t is not None and (not isinstance(t, (int, float)) or isinstance(t, bool) or not t > 0):
             out.append(f"request_timeout_s is {t!r}; it must be a positive number of seconds or None")
+        m = self.max_prompt_tokens
+        if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
+            out.append(f"max_prompt_tokens is {m!r}; it must be an int >= 1 or None")
         if not isinstance(self.chat_template_kwargs, Mapping):
             out.append(f"chat_template_kwargs is {type(self.chat_template_kwargs).__name__}; it must be a mapping")
+        per_role = self.role_chat_template_kwargs
+        if not isinstance(per_role, Mapping) or not all(isinstance(v, Mapping) for v in per_role.values()):
+            out.append(f"role_chat_template_kwargs is {per_role!r}; it must map role names to mappings")
         return out
+
+    def chat_template_kwargs_for(self, role: str) -> dict[str, Any]:
+        """The chat-template variables of ``role``'s prompts: the shared ones, then the role's own."""
+        return {**self.chat_template_kwargs, **self.role_chat_template_kwargs.get(role, {})}
 
     def validate(self) -> None:
         """Raise ``ValueError`` listing every problem, if any."""
@@ -279,8 +296,9 @@ class Episode:
     """The record of one episode: every group (all K candidates each) and how the episode ended.
 
     ``terminated``: the workflow ended it (task solved/agreed, or it stopped early). ``truncated``: it ran
-    out of ``max_turns``. ``aborted``: an infrastructure failure ended it (see ``error``); the groups
-    completed before it remain trainable.
+    out of ``max_turns``, or out of context (``context_overflow``: the next prompt did not fit the model;
+    a failure of the workflow, ``mas/success`` 0). ``aborted``: an infrastructure failure ended it (see
+    ``error``); the groups completed before it remain trainable.
     """
 
     workflow_id: str
@@ -294,6 +312,7 @@ class Episode:
     aborted: bool = False
     error: str | None = None
     metrics: dict[str, float] = field(default_factory=dict)
+    context_overflow: bool = False
 
     @property
     def num_turns(self) -> int:
@@ -407,6 +426,8 @@ class Episode:
             lines.append(f"  turn {c.turn}  {c.role}: {_short(c.text)}  (reward {c.reward:+.3f})")
         if self.aborted:
             outcome = f"aborted after {self.num_turns} turns: {self.error}"
+        elif self.context_overflow:
+            outcome = f"out of context after {self.num_turns} turns: {self.error}"
         else:
             outcome = f"{'terminated' if self.terminated else 'truncated'} after {self.num_turns} turns"
         lines.append(f"outcome: {outcome}")

@@ -8,14 +8,15 @@
 - :class:`LLMClientError`: an :class:`~verl_mas.client.LLMClient` broke its contract (wrong number of
   samples, log-probs that do not match the tokens). A bug in the client, raised as is.
 
-A model mistake (unparsable output, failing code) is none of these: it is a reward decision.
+A model mistake (unparsable output, failing code) is none of these: it is a reward decision. So is a
+prompt that outgrows the model's context (:class:`ContextOverflowError`): the episode ends as a failure.
 """
 
 from __future__ import annotations
 
 import asyncio
 
-__all__ = ["INFRA_EXCEPTIONS", "InfraError", "LLMClientError", "WorkflowError"]
+__all__ = ["INFRA_EXCEPTIONS", "ContextOverflowError", "InfraError", "LLMClientError", "WorkflowError"]
 
 
 class WorkflowError(RuntimeError):
@@ -29,6 +30,14 @@ class InfraError(RuntimeError):
     Raised by workflow code (e.g. from the sandbox), it aborts the episode without training on the
     unrewarded candidates. Clients raise it (or return a :class:`~verl_mas.client.Sample` with ``error`` set) so that the
     engine marks the affected candidates as not trainable instead of crashing or training on them.
+    """
+
+
+class ContextOverflowError(Exception):
+    """The next prompt does not fit the model's context: raised by ``generate()``, it ends the episode.
+
+    The episode ends truncated, as a failure (``mas/success`` 0, ``mas/context_overflow`` 1); the
+    groups sampled before stay trainable. Workflow code must let it propagate (do not catch it).
     """
 
 

@@ -19,7 +19,8 @@ from verl.workers.rollout.llm_server import LLMServerClient
 
 from verl_mas.config import POLICY_RESOURCES, MasConfig, MasConfigError
 
-__all__ = ["PolicyRouterClient", "PolicyStack", "policy_configs", "ROLLOUT_POLICY_KEY"]
+__all__ = ["PolicyRouterClient", "PolicyStack", "ROLLOUT_POLICY_KEY", "SessionRoutedClient", "candidate_request_id",
+           "policy_configs"]
 
 #: Key in ``actor_rollout_ref.rollout.custom`` naming the policy a rollout stack serves. Rollout backends
 #: use it to give each policy's servers distinct names (the ``hf`` backend does).
@@ -48,6 +49,16 @@ def policy_configs(actor_rollout_ref: Any, mas: MasConfig) -> dict[str, Any]:
     Raises:
         MasConfigError: An override names a key ``actor_rollout_ref`` does not have.
     """
+    out, problems = policy_configs_and_problems(actor_rollout_ref, mas)
+    if problems:
+        raise MasConfigError(
+            "Invalid mas.policies overrides:\n  - " + "\n  - ".join(problems)
+        )
+    return out
+
+
+def policy_configs_and_problems(actor_rollout_ref: Any, mas: MasConfig) -> tuple[dict[str, Any], list[str]]:
+    """:func:`policy_configs` without raising: the configs and every problem of the overrides."""
     from omegaconf import OmegaConf, open_dict
 
     if isinstance(actor_rollout_ref, dict):
@@ -66,13 +77,7 @@ def policy_configs(actor_rollout_ref: Any, mas: MasConfig) -> dict[str, Any]:
                 custom[ROLLOUT_POLICY_KEY] = name
                 merged.rollout.custom = custom
         out[name] = merged
-    if problems:
-        raise MasConfigError(
-            "Invalid mas.policies overrides:\n  - " + "\n  - ".join(problems)
-            + "\nA policy overrides keys of the recipe's actor_rollout_ref; check the spelling against verl's "
-            "ppo_trainer config (a key verl does not define must be added to the recipe with '+' first)."
-        )
-    return out
+    return out, problems
 
 
 def _unknown_keys(base: Mapping[str, Any], overrides: Mapping[str, Any], policy: str, path: str = "") -> list[str]:
@@ -80,11 +85,47 @@ def _unknown_keys(base: Mapping[str, Any], overrides: Mapping[str, Any], policy:
     for key, value in overrides.items():
         dotted = f"{path}.{key}" if path else str(key)
         if key not in base:
-            out.append(f"mas.policies.{policy}.{dotted}: actor_rollout_ref.{dotted} does not exist")
+            out.append(
+                f"mas.policies.{policy}.{dotted}: actor_rollout_ref.{dotted} does not exist. A policy overrides keys "
+                "of the recipe's actor_rollout_ref; check the spelling against verl's ppo_trainer config (a key "
+                "verl does not define must be added to the recipe with '+' first)."
+            )
             continue
         if isinstance(value, Mapping) and isinstance(base[key], Mapping) and base[key]:
             out.extend(_unknown_keys(base[key], value, policy, dotted))
     return out
+
+
+#: Separates the session (routing key) from the candidate in a request id: ``"<session>#<turn>.<candidate>"``.
+CANDIDATE_SEP = "#"
+
+
+def candidate_request_id(session_id: str, turn: int, candidate: int) -> str:
+    """The request id of one candidate: its own id, whose session part routes it (see :class:`SessionRoutedClient`)."""
+    return f"{session_id}{CANDIDATE_SEP}{turn}.{candidate}"
+
+
+def routing_key(request_id: str) -> str:
+    """The session part of a candidate's request id (the whole id when it has no candidate part)."""
+    return request_id.partition(CANDIDATE_SEP)[0]
+
+
+class SessionRoutedClient(LLMServerClient):
+    """verl's LLM server client with one request id per candidate, routed by the candidate's session.
+
+    The ``mas`` agent loop sends the K concurrent candidates of a group as K requests with ids
+    ``"<session>#<turn>.<i>"`` (session = one episode and role). verl's load balancer routes on the
+    session part only, so every candidate and every turn of one (episode, role) reaches one server
+    (prefix-cache affinity, sticky or by hash under ``rollout.full_determinism``), while the server sees a
+    distinct, deterministic id per candidate: verl forwards the caller's id unchanged under
+    ``full_determinism``, where K requests sharing one id would collide in the engine.
+    """
+
+    async def _acquire_server(self, request_id: str, **extra: Any) -> Any:
+        return await super()._acquire_server(routing_key(request_id), **extra)
+
+    def _release_server(self, server_id: str, request_id: str | None = None) -> None:
+        super()._release_server(server_id, request_id=None if request_id is None else routing_key(request_id))
 
 
 class PolicyRouterClient(LLMServerClient):

@@ -40,10 +40,17 @@ from tensordict import NonTensorStack, TensorDict
 from verl.trainer.ppo.v1.trainer_base import register_trainer
 from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 
-from verl_mas.advantage.at_grpo import ESTIMATOR_NAME
-from verl_mas.advantage.groups import group_ids, group_key, group_stats, prompt_mismatches
-from verl_mas.config import MasConfig, MasConfigError
-from verl_mas.policies import PolicyRouterClient, PolicyStack, policy_configs
+from verl_mas.advantage.at_grpo import SINGLETON_KEY
+from verl_mas.advantage.groups import (
+    MEMBER_SEP,
+    group_ids,
+    group_invariant_problems,
+    group_key,
+    group_stats,
+    prompt_mismatches,
+)
+from verl_mas.config import MAS_TRAINER_MARK, MasConfig, check_run_config
+from verl_mas.policies import PolicyRouterClient, PolicyStack, SessionRoutedClient
 
 logger = logging.getLogger(__name__)
 
@@ -60,22 +67,24 @@ class MasTrainer(PPOTrainerSync):
     """verl's synchronous trainer with AT-GRPO grouping (see the module docstring)."""
 
     def __init__(self, config: Any) -> None:
-        self.mas = MasConfig.from_verl_config(config)
-        self._check_algorithm(config)
-        self._policy_configs = policy_configs(config.actor_rollout_ref, self.mas)
-        if self.mas.multi_policy:
-            _check_routing(config, self.mas)
+        # Every start-up problem (mas: block, algorithm, policy overrides, routing) is reported in one error.
+        self.mas, self._policy_configs = check_run_config(config)
         primary = self.mas.policy_names[0]
         with open_dict(config):
             # verl compares trainer_mode with the literal "sync" in several places (replay buffer, batch
-            # sizes); this mode is synchronous, so it presents itself as "sync" to the base class.
+            # sizes); this mode is synchronous, so it presents itself as "sync" to the base class, and marks
+            # the config so that the mas agent loop knows it runs under this trainer.
             config.trainer.v1.trainer_mode = "sync"
+            config.trainer.v1[MAS_TRAINER_MARK] = True
+            # The at_grpo estimator reads its singleton policy from verl's algorithm config.
+            config.algorithm[SINGLETON_KEY] = self.mas.singleton_advantage
             if self.mas.policies[primary]:  # the first policy runs in verl's own stack, with its overrides
                 config.actor_rollout_ref = self._policy_configs[primary]
         self.stacks: dict[str, PolicyStack] = {}
         self._policy_keys: dict[str, list[str]] = {}
         self._resume_folder: str | None = None
         self._last_server_stats: dict[str, dict[str, int]] = {}
+        self._sampled: dict[str, SampledPrompts] = {}
         super().__init__(config)
 
     # ---------------------------------------------------------------------------------------------
@@ -170,9 +179,11 @@ class MasTrainer(PPOTrainerSync):
         return [self.stacks[n] for n in self.mas.policy_names[1:] if n in self.stacks]
 
     def get_llm_client(self) -> Any:
+        # One request id per candidate, routed by its (episode, role) session (policies.SessionRoutedClient).
         if not self.mas.multi_policy:
-            return super().get_llm_client()
-        return PolicyRouterClient({name: stack.server_manager.get_client() for name, stack in self.stacks.items()})
+            return self.llm_server_manager.get_client(client_cls=SessionRoutedClient)
+        return PolicyRouterClient({name: stack.server_manager.get_client(client_cls=SessionRoutedClient)
+                                   for name, stack in self.stacks.items()})
 
     def on_init_end(self) -> None:
         super().on_init_end()
@@ -231,6 +242,11 @@ class MasTrainer(PPOTrainerSync):
         mini-batch size per call), so views of different policies can run in parallel threads."""
         view = copy.copy(self)
         view.config = copy.deepcopy(self.config)
+        if stack.name != self.mas.policy_names[0]:
+            # The policy's own actor/rollout/ref settings (ppo_epochs, ppo_mini_batch_size, the log-prob
+            # temperature, ...), as its worker group was built with them.
+            with open_dict(view.config):
+                view.config.actor_rollout_ref = copy.deepcopy(self._policy_configs[stack.name])
         view.actor_rollout_wg = stack.worker_group
         view.ref_policy_wg = stack.ref_worker_group
         view.ref_in_actor = stack.ref_in_actor
@@ -344,33 +360,8 @@ class MasTrainer(PPOTrainerSync):
 
     def _build_replay_buffer(self) -> Any:
         buffer = super()._build_replay_buffer()
-        # verl's replay buffer polls TransferQueue for finished episodes every 2 s; episodes of small
-        # workflows finish in well under a second, so the fixed 2 s dominated CPU step times.
-        if hasattr(buffer, "poll_interval"):
-            buffer.poll_interval = self.mas.replay_poll_interval_s
+        tune_replay_buffer(buffer, self.mas, self._sampled)
         return buffer
-
-    def _check_algorithm(self, config: Any) -> None:
-        problems = []
-        estimator = config.algorithm.adv_estimator
-        if estimator != ESTIMATOR_NAME:
-            problems.append(
-                f"algorithm.adv_estimator is {estimator!r}, but trainer.v1.trainer_mode=mas builds AT-GRPO groups "
-                f"for the {ESTIMATOR_NAME!r} estimator. Set algorithm.adv_estimator={ESTIMATOR_NAME}."
-            )
-        n = int(config.actor_rollout_ref.rollout.n)
-        if self.mas.sampling == "tree" and n != 1:
-            problems.append(
-                f"actor_rollout_ref.rollout.n is {n}, but mas.sampling=tree samples K={self.mas.branching} candidates "
-                "inside each episode; extra sessions would be independent episodes. Set rollout.n=1."
-            )
-        if self.mas.sampling == "parallel" and n < 2:
-            problems.append(
-                "mas.sampling=parallel draws K independent episodes per task through verl's rollout.n; set "
-                "actor_rollout_ref.rollout.n=K (e.g. 4)."
-            )
-        if problems:
-            raise ValueError("The mas trainer cannot start:\n  - " + "\n  - ".join(problems))
 
     # ------------------------------------------------------------------------------------------------
     def _update_actor(self, batch: Any, metrics: dict) -> Any:
@@ -405,9 +396,10 @@ class MasTrainer(PPOTrainerSync):
         data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=list(_FIELDS))
         extras: list[dict] = _as_list(data["extra_fields"])
         uids = [str(u) for u in _as_list(data["uid"])]
+        episodes = [session_of(key) for key in batch.keys]
         response_mask = data["response_mask"]
         padding = np.array([bool(tag.get("is_padding", False)) for tag in batch.tags])
-        groups = assign_groups(extras, uids, padding, self.mas)
+        groups = assign_groups(extras, uids, padding, self.mas, episodes=episodes)
         keys, ids, rewards, roles, turns = groups.keys, groups.ids, groups.rewards, groups.roles, groups.turns
 
         # Token-level scores: each row's own reward on its last response token.
@@ -430,51 +422,123 @@ class MasTrainer(PPOTrainerSync):
             restore = TensorDict({"uid": NonTensorStack(*uids)}, batch_size=len(uids))
             tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id, fields=restore)
 
-        metrics.update(self._mas_metrics(extras, roles, turns, rewards, ids, padding, uids))
+        sampled = self._sampled.get("train")
+        expected = None if sampled is None else len(sampled.uids) * int(self.config.actor_rollout_ref.rollout.n)
+        metrics.update(mas_metrics(extras, groups, padding, uids, episodes, expected_episodes=expected))
         return batch
 
-    def _mas_metrics(
-        self,
-        extras: list[dict],
-        roles: list[str],
-        turns: np.ndarray,
-        rewards: np.ndarray,
-        ids: np.ndarray,
-        padding: np.ndarray,
-        uids: list[str],
-    ) -> dict[str, float]:
-        real = ~padding
-        out = group_stats(ids[real], rewards[real]).as_metrics()
-        by_role: dict[str, list[float]] = defaultdict(list)
-        role_turns: dict[str, dict[str, set[int]]] = defaultdict(lambda: defaultdict(set))
-        parse_failures = 0
-        episodes: list[dict[str, float]] = []
-        for i in np.flatnonzero(real):
-            e = extras[i]
-            by_role[roles[i]].append(float(rewards[i]))
-            role_turns[roles[i]][uids[i]].add(int(turns[i]))
-            parse_failures += bool(e.get("mas_parse_failed", False))
-            if int(e.get("mas_episode_index", -1)) == 0:
-                episodes.append(e.get("mas_episode_metrics") or {})
-        for role, values in sorted(by_role.items()):
-            out[f"mas/{role}/reward/mean"] = float(np.mean(values))
-            out[f"mas/{role}/turns"] = float(np.mean([len(t) for t in role_turns[role].values()]))
-        out["mas/parse_failures"] = float(parse_failures)
-        # Episode-level metrics reported by the workflows and the engine, averaged over episodes.
-        sums: dict[str, list[float]] = defaultdict(list)
-        for ep in episodes:
-            for k, v in ep.items():
-                if isinstance(v, (int, float)) and math.isfinite(v):
-                    sums[k].append(float(v))
-        for k, values in sums.items():
-            if k.endswith("_failures"):
-                out[k] = float(np.sum(values))  # counts over the batch
-            else:
-                out[k] = float(np.mean(values))
-        if "mas/success" in sums:
-            out["mas/success_rate"] = float(np.mean(sums["mas/success"]))
-        out["mas/episodes"] = float(len(episodes))
-        return out
+
+@dataclass(frozen=True)
+class SampledPrompts:
+    """The prompts (tasks) verl's replay buffer handed to one step, and those whose agent loop raised."""
+
+    uids: list[str]
+    failed: list[str]
+
+
+def tune_replay_buffer(buffer: Any, mas: MasConfig, sampled: dict[str, SampledPrompts]) -> None:
+    """Adapt verl's replay buffer to episodes: faster polling, and no episode lost without a trace.
+
+    verl polls TransferQueue for finished episodes every 2 s; episodes of small workflows finish in well
+    under a second, so the fixed 2 s dominated CPU step times: ``mas.replay_poll_interval_s`` replaces it.
+
+    verl's sync trainer keeps a prompt whose agent loop raised as a "failure" group and trains on what is
+    left (its rows are simply missing). An exception in the ``mas`` agent loop is a bug or a deterministic
+    server error, never a model mistake, so the step stops here with the failed tasks named (the agent-loop
+    worker's log has each traceback). The prompts of every batch are recorded in ``sampled`` (by
+    partition), so that the trainer's rates count every episode, including those that left no sample.
+    """
+    if hasattr(buffer, "poll_interval"):
+        buffer.poll_interval = mas.replay_poll_interval_s
+    materialize = buffer._materialize_batch  # verl 0.9.1: (partition_id, selected_prompt_uids, snapshot)
+
+    def recording(partition_id: str, selected_prompt_uids: list[str], partition_snapshot: dict) -> Any:
+        failed = sorted(set(selected_prompt_uids) & set(buffer.failure_keys[partition_id]))
+        sampled[partition_id] = SampledPrompts(uids=list(selected_prompt_uids), failed=failed)
+        if failed:
+            raise RuntimeError(
+                f"{len(failed)} of {len(selected_prompt_uids)} {partition_id} tasks raised in the mas agent loop "
+                f"(task uids {failed[:5]}{' ...' if len(failed) > 5 else ''}); the agent-loop worker log above has "
+                "each traceback. A raising episode is a bug in a workflow or a deterministic rollout-server error "
+                "(e.g. a request the server rejects), never a model mistake and never silently dropped: fix the "
+                "cause. Infrastructure failures (a lost replica, a timeout) do not raise: they abort the episode "
+                "and count in mas/aborted."
+            )
+        return materialize(partition_id, selected_prompt_uids, partition_snapshot)
+
+    buffer._materialize_batch = recording
+
+
+def session_of(key: str) -> str:
+    """The episode of a TransferQueue row key ``{uid}_{session}_{index}``: ``"{uid}_{session}"``."""
+    parts = key.rsplit("_", 2)
+    return f"{parts[0]}_{parts[1]}" if len(parts) == 3 else key
+
+
+def mas_metrics(
+    extras: list[dict],
+    groups: GroupAssignment,
+    padding: np.ndarray,
+    uids: list[str],
+    episodes: list[str],
+    *,
+    expected_episodes: int | None = None,
+) -> dict[str, float]:
+    """Per-role, group and episode metrics of one training batch.
+
+    Rates are over every episode of the step (``expected_episodes``: tasks x rollout.n, from the replay
+    buffer) and not only over those whose rows reached the batch: an episode aborted before any sample
+    (an infrastructure failure in its first group) leaves no row, and is counted as aborted and as not
+    successful (``mas/episodes_without_samples`` counts them). ``mas/success_rate`` counts an aborted
+    episode as a failure; ``mas/success_rate_completed`` is the rate over episodes that ran to their end.
+    """
+    roles, turns, rewards, ids = groups.roles, groups.turns, groups.rewards, groups.ids
+    real = ~padding
+    out = group_stats(ids[real], rewards[real]).as_metrics()
+    by_role: dict[str, list[float]] = defaultdict(list)
+    role_turns: dict[str, dict[str, set[int]]] = defaultdict(lambda: defaultdict(set))
+    parse_failures = 0
+    per_episode: dict[str, dict[str, float]] = {}
+    for i in np.flatnonzero(real):
+        e = extras[i]
+        by_role[roles[i]].append(float(rewards[i]))
+        role_turns[roles[i]][episodes[i]].add(int(turns[i]))
+        parse_failures += bool(e.get("mas_parse_failed", False))
+        if int(e.get("mas_episode_index", -1)) == 0:
+            per_episode[episodes[i]] = e.get("mas_episode_metrics") or {}
+    for role, values in sorted(by_role.items()):
+        out[f"mas/{role}/reward/mean"] = float(np.mean(values))
+        out[f"mas/{role}/turns"] = float(np.mean([len(t) for t in role_turns[role].values()]))
+    out["mas/parse_failures"] = float(parse_failures)
+    # Episode-level metrics reported by the workflows and the engine, averaged over episodes with samples.
+    sums: dict[str, list[float]] = defaultdict(list)
+    for ep in per_episode.values():
+        for k, v in ep.items():
+            if isinstance(v, (int, float)) and math.isfinite(v):
+                sums[k].append(float(v))
+    for k, values in sums.items():
+        if k.endswith("_failures"):
+            out[k] = float(np.sum(values))  # counts over the batch
+        else:
+            out[k] = float(np.mean(values))
+    seen = len(per_episode)
+    total = max(seen, expected_episodes or 0)
+    missing = total - seen
+    aborted = sum(bool(ep.get("mas/aborted", 0.0)) for ep in per_episode.values())
+    out["mas/episodes"] = float(total)
+    out["mas/episodes_without_samples"] = float(missing)
+    out["mas/aborted"] = (aborted + missing) / total if total else 0.0
+    out["mas/context_overflow"] = (
+        sum(float(ep.get("mas/context_overflow", 0.0)) for ep in per_episode.values()) / total if total else 0.0)
+    if "mas/success" in sums:
+        # Aborted episodes (with or without samples) count as failures: dropping them would bias the rate
+        # upward, since long (mostly failing) episodes are the likeliest to hit a timeout or a lost replica.
+        successes = sum(float(ep.get("mas/success", 0.0)) for ep in per_episode.values()
+                        if not ep.get("mas/aborted", 0.0))
+        completed = [float(ep.get("mas/success", 0.0)) for ep in per_episode.values() if not ep.get("mas/aborted", 0.0)]
+        out["mas/success_rate"] = successes / total
+        out["mas/success_rate_completed"] = float(np.mean(completed)) if completed else 0.0
+    return out
 
 
 @dataclass(frozen=True)
@@ -488,18 +552,29 @@ class GroupAssignment:
     turns: np.ndarray  # (bs,) int64
 
 
-def assign_groups(extras: list[dict], uids: list[str], padding: np.ndarray, mas: MasConfig) -> GroupAssignment:
-    """Group rows by (task uid, role, turn) per ``mas.grouping`` and check one prompt per group.
+def assign_groups(
+    extras: list[dict], uids: list[str], padding: np.ndarray, mas: MasConfig, *, episodes: list[str] | None = None
+) -> GroupAssignment:
+    """Group rows per ``mas.grouping`` and check every invariant that grouping and ``mas.sampling`` imply.
+
+    - ``agent_turn`` (AT-GRPO): (task, role, turn); with tree sampling the K members share one prompt.
+    - ``agent``: (task, role) across turns; each row keeps its own (role, turn) reward.
+    - ``trajectory`` (classic GRPO, with parallel sampling): every row scores its episode's outcome
+      (``mas/success``); the estimator normalises over the task's *episodes* (one advantage per
+      episode, broadcast to its rows), not over rows.
 
     Args:
         extras: Each row's ``extra_fields`` as the ``mas`` agent loop wrote them.
         uids: Each row's verl uid (the dataset row, i.e. the task).
         padding: ``(bs,)`` True for rows verl added as padding; each becomes its own (singleton) group.
         mas: The ``mas:`` block.
+        episodes: Each row's episode (``{uid}_{session}``); default: one episode per task.
 
     Raises:
-        GroupPromptMismatchError: A group holds rows sampled from different prompts (tree sampling).
+        GroupPromptMismatchError: A batch breaks what its grouping and sampling imply (rows of different
+            prompts in one tree node, several roles or turns in one group, ...).
     """
+    episodes = list(uids) if episodes is None else list(episodes)
     roles = [e["mas_role"] for e in extras]
     turns = np.array([int(e["mas_turn"]) for e in extras], dtype=np.int64)
     if mas.grouping == "trajectory":
@@ -507,12 +582,26 @@ def assign_groups(extras: list[dict], uids: list[str], padding: np.ndarray, mas:
     else:
         rewards = np.array([float(e["mas_reward"]) for e in extras], dtype=np.float64)
     keys = [
-        f"padding|{i}" if padding[i] else group_key(uids[i], roles[i], int(turns[i]), mas.grouping)
+        f"padding|{i}" if padding[i]
+        else group_key(uids[i], roles[i], int(turns[i]), mas.grouping, episode=episodes[i].rpartition("_")[2])
         for i in range(len(uids))
     ]
-    ids = group_ids(keys, grouping="trajectory")  # keys are already composite: group by the whole key
-    if mas.check_group_prompts and mas.sampling == "tree":
-        check_group_prompts(ids, keys, [int(e["mas_prompt_hash"]) for e in extras])
+    # The group of a key (for trajectory keys "<task>#<episode>": the task, as the estimator reads them).
+    ids = group_ids([k.rpartition(MEMBER_SEP)[0] if MEMBER_SEP in k else k for k in keys], grouping="trajectory")
+    real = np.flatnonzero(~padding)
+    problems = group_invariant_problems(
+        ids[real], [keys[i] for i in real], grouping=mas.grouping, sampling=mas.sampling,
+        task_uids=[uids[i] for i in real], episodes=[episodes[i] for i in real], roles=[roles[i] for i in real],
+        turns=turns[real], prompt_hashes=[int(extras[i]["mas_prompt_hash"]) for i in real],
+        check_prompts=mas.check_group_prompts,
+    )
+    if problems:
+        raise GroupPromptMismatchError(
+            "The batch breaks the invariants of its AT-GRPO groups, so a group's mean reward is not a baseline "
+            "for its members:\n  - " + "\n  - ".join(problems) + "\nThis is a bug in how group keys were built "
+            "(or a workflow that generates twice for one role in a turn). Row numbers count the batch's "
+            "non-padding rows. Set mas.check_group_prompts=false only to debug a prompt mismatch."
+        )
     return GroupAssignment(keys, ids, rewards, roles, turns)
 
 
@@ -556,37 +645,6 @@ def merge_policy_metrics(per_policy: dict[str, dict]) -> dict[str, float]:
 def _pool_name(policy: str) -> str:
     """The resource pool of a policy with ``resources`` of its own."""
     return f"mas_policy_{policy}"
-
-
-def _check_routing(config: Any, mas: MasConfig) -> None:
-    """With several policies every role of every workflow in the data must be routed; report all gaps."""
-    from verl_mas.registry import get_workflow
-
-    roles: dict[str, tuple[str, ...]] = {}
-    for workflow_id in _workflows_in_data(config) or ([mas.workflow] if mas.workflow else []):
-        roles[workflow_id] = tuple(get_workflow(workflow_id).roles)
-    problems = mas.routing_problems(roles)
-    if problems:
-        raise MasConfigError("mas.roles does not route every role:\n  - " + "\n  - ".join(problems))
-
-
-def _workflows_in_data(config: Any) -> list[str]:
-    """Workflow ids named by the rows of the train and validation parquet files (``extra_info.workflow``)."""
-    import pyarrow.parquet as pq
-
-    found: set[str] = set()
-    for key in ("train_files", "val_files"):
-        files = config.data.get(key)
-        if not files:
-            continue
-        for path in [files] if isinstance(files, str) else list(files):
-            if not os.path.exists(path):
-                continue  # verl reports missing data files itself
-            table = pq.read_table(path, columns=["extra_info"])
-            for info in table.column("extra_info").to_pylist():
-                if info and info.get("workflow"):
-                    found.add(str(info["workflow"]))
-    return sorted(found)
 
 
 def _as_list(values: Any) -> list:

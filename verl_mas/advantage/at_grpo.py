@@ -11,6 +11,16 @@ as its advantage):
   reward (``singleton="raw"``, verl's behaviour, for ablations);
 - a group whose rewards are all equal carries no preference: advantage 0.
 
+Members spanning several rows (classic trajectory-level GRPO, ``mas.grouping: trajectory``): an index
+entry ``"<group>#<member>"`` says the row belongs to member (episode) ``<member>`` of group ``<group>``.
+The statistics are then taken over members, not rows: each member's score is the mean of its rows'
+scores (all equal when they carry the episode's outcome), the member's advantage is normalised over the
+group's members and broadcast to every row of the member. Without this, an 8-row failed episode would
+weigh four times as much as a 2-row success in the group's mean and standard deviation.
+
+Singleton policy: ``algorithm.at_grpo_singleton`` (``zero``/``raw``); the ``mas`` trainer fills it from
+``mas.singleton_advantage``.
+
 Vectorised with ``bincount`` over dense group ids: no Python loop per group.
 """
 
@@ -21,13 +31,22 @@ from typing import Any
 import numpy as np
 import torch
 
-from verl_mas.advantage.groups import _codes
+from verl_mas.advantage.groups import MEMBER_SEP, _codes
 
-__all__ = ["ESTIMATOR_NAME", "SINGLETON_POLICIES", "at_grpo_advantages", "compute_at_grpo_outcome_advantage"]
+__all__ = [
+    "ESTIMATOR_NAME",
+    "MEMBER_SEP",
+    "SINGLETON_KEY",
+    "SINGLETON_POLICIES",
+    "at_grpo_advantages",
+    "compute_at_grpo_outcome_advantage",
+]
 
 #: Name under which the estimator is registered with verl (``algorithm.adv_estimator=at_grpo``).
 ESTIMATOR_NAME = "at_grpo"
 SINGLETON_POLICIES = ("zero", "raw")
+#: Key of verl's algorithm config that selects the singleton policy (set by the mas trainer).
+SINGLETON_KEY = "at_grpo_singleton"
 EPSILON = 1e-6
 
 
@@ -35,6 +54,7 @@ def at_grpo_advantages(
     scores: torch.Tensor,
     ids: np.ndarray | torch.Tensor,
     *,
+    members: np.ndarray | None = None,
     norm_by_std: bool = True,
     singleton: str = "zero",
     epsilon: float = EPSILON,
@@ -44,6 +64,9 @@ def at_grpo_advantages(
     Args:
         scores: ``(bs,)`` scalar reward of each sample.
         ids: ``(bs,)`` dense int group ids (0..G-1), e.g. from :func:`verl_mas.advantage.groups.group_ids`.
+        members: ``(bs,)`` dense int member ids (0..M-1), or None (every row is its own member). Rows of
+            one member (one episode) count once in their group's statistics, with their mean score, and
+            all receive the member's advantage. A member lies in exactly one group.
         norm_by_std: Divide by the group's (unbiased) standard deviation plus ``epsilon``, as GRPO;
             ``False`` gives the Dr.GRPO-style mean-centred advantage.
         singleton: ``"zero"`` or ``"raw"`` (see the module docstring).
@@ -52,6 +75,17 @@ def at_grpo_advantages(
     Returns:
         ``(bs,)`` advantages, float32.
     """
+    if members is not None:
+        member = torch.as_tensor(np.asarray(members), dtype=torch.long)
+        n_members = int(member.max()) + 1 if member.numel() else 0
+        x = scores.detach().to(torch.float64)
+        rows = torch.bincount(member, minlength=n_members).to(torch.float64)
+        member_scores = torch.bincount(member, weights=x, minlength=n_members) / rows.clamp(min=1)
+        member_group = torch.zeros(n_members, dtype=torch.long).scatter_(
+            0, member, torch.as_tensor(np.asarray(ids), dtype=torch.long))
+        adv = at_grpo_advantages(member_scores, member_group.numpy(), norm_by_std=norm_by_std, singleton=singleton,
+                                 epsilon=epsilon)
+        return adv[member]
     if singleton not in SINGLETON_POLICIES:
         raise ValueError(f"Unknown singleton policy {singleton!r}; expected one of {SINGLETON_POLICIES}.")
     x = scores.detach().to(torch.float64)
@@ -77,14 +111,20 @@ def at_grpo_advantages(
     return adv.to(torch.float32)
 
 
-def _dense_ids(index: Any) -> np.ndarray:
-    """Dense int ids from verl's ``index`` (the ``uid`` column): composite key strings or ints."""
+def _dense_ids(index: Any) -> tuple[np.ndarray, np.ndarray | None]:
+    """Dense int group ids (and member ids, when entries read ``"<group>#<member>"``) from verl's ``index``."""
     arr = np.asarray(index)
     if arr.dtype.kind in "iu":
         codes, _ = _codes(arr.astype(np.int64))
-        return codes
-    codes, _ = _codes(arr)
-    return codes
+        return codes, None
+    keys = [str(k) for k in arr.tolist()]
+    if not any(MEMBER_SEP in k for k in keys):
+        codes, _ = _codes(arr)
+        return codes, None
+    groups = [k.rpartition(MEMBER_SEP)[0] if MEMBER_SEP in k else k for k in keys]
+    codes, _ = _codes(groups)
+    members, _ = _codes(keys)
+    return codes, members
 
 
 def _config_value(config: Any, key: str, default: Any) -> Any:
@@ -107,16 +147,18 @@ def compute_at_grpo_outcome_advantage(
         index: ``(bs,)`` group key of each row. The ``mas`` trainer puts the AT-GRPO key (task uid, role,
             turn) here; with stock verl trainers it is the row uid, i.e. plain GRPO groups.
         config: verl's algorithm config: ``norm_adv_by_std_in_grpo`` (default True) and, optionally,
-            ``at_grpo_singleton`` (``zero``/``raw``).
+            ``at_grpo_singleton`` (``zero``/``raw``; the ``mas`` trainer sets it from
+            ``mas.singleton_advantage``).
 
     Returns:
         ``(advantages, returns)``, both ``(bs, response_length)``, masked by ``response_mask``.
     """
     norm_by_std = bool(_config_value(config, "norm_adv_by_std_in_grpo", True))
-    singleton = str(_config_value(config, "at_grpo_singleton", "zero"))
+    singleton = str(_config_value(config, SINGLETON_KEY, "zero"))
     with torch.no_grad():
         scores = token_level_rewards.sum(dim=-1)
-        adv = at_grpo_advantages(scores, _dense_ids(index), norm_by_std=norm_by_std, singleton=singleton)
+        ids, members = _dense_ids(index)
+        adv = at_grpo_advantages(scores, ids, members=members, norm_by_std=norm_by_std, singleton=singleton)
         advantages = adv.to(token_level_rewards.dtype).unsqueeze(-1) * response_mask
     return advantages, advantages
 

@@ -15,8 +15,13 @@ import numpy as np
 from verl_mas.episode import GROUP_KEY_SEP
 from verl_mas.episode import group_key as _episode_group_key
 
+#: Separates a group from its member (episode) in a key; the at_grpo estimator reads it (see at_grpo.py).
+MEMBER_SEP = "#"
+
 __all__ = [
     "GROUPING_MODES",
+    "MEMBER_SEP",
+    "group_invariant_problems",
     "GroupStats",
     "group_ids",
     "group_key",
@@ -28,31 +33,33 @@ __all__ = [
 GROUPING_MODES = ("agent_turn", "agent", "trajectory")
 
 
-def group_key(task_uid: str, role: str, turn: int, grouping: str = "agent_turn") -> str:
+def group_key(task_uid: str, role: str, turn: int, grouping: str = "agent_turn", episode: str = "0") -> str:
     """The printable group key of a candidate under a grouping mode, e.g. ``"3f2a...|planner|1"``.
 
-    ``agent_turn`` is the engine's own key (:func:`verl_mas.episode.group_key`); the other modes drop
-    the turn, or the role and the turn.
+    ``agent_turn`` is the engine's own key (:func:`verl_mas.episode.group_key`); ``agent`` drops the turn;
+    ``trajectory`` is the task with the episode as the member: ``"3f2a...#2"`` (the ``at_grpo``
+    estimator takes its statistics over episodes, one advantage per episode broadcast to its rows).
 
     Args:
         task_uid: verl's uid of the dataset row (one task; shared by the K candidates of every node).
         role: The acting role.
         turn: The 0-based turn.
         grouping: ``agent_turn`` (AT-GRPO: task, role, turn), ``agent`` (task, role) or ``trajectory``
-            (task only).
+            (task; members are episodes).
+        episode: The episode of the task (verl's session id; ``rollout.n`` episodes per task).
     """
     for name, value in (("task uid", task_uid), ("role", role)):
-        if GROUP_KEY_SEP in value:
+        if GROUP_KEY_SEP in value or MEMBER_SEP in value:
             raise ValueError(
-                f"The {name} {value!r} contains {GROUP_KEY_SEP!r}, which separates the parts of AT-GRPO group "
-                f"keys. Rename it without {GROUP_KEY_SEP!r}."
+                f"The {name} {value!r} contains {GROUP_KEY_SEP!r} or {MEMBER_SEP!r}, which separate the parts of "
+                f"AT-GRPO group keys. Rename it without them."
             )
     if grouping == "agent_turn":
         return _episode_group_key(task_uid, role, int(turn))
     if grouping == "agent":
         return f"{task_uid}{GROUP_KEY_SEP}{role}"
     if grouping == "trajectory":
-        return task_uid
+        return f"{task_uid}{MEMBER_SEP}{episode}"
     raise ValueError(f"Unknown grouping {grouping!r}; expected one of {GROUPING_MODES}.")
 
 
@@ -150,3 +157,76 @@ def prompt_mismatches(ids: np.ndarray, prompt_hashes: Sequence[object] | np.ndar
     first[ids[::-1]] = hash_codes[::-1]
     bad = np.unique(ids[hash_codes != first[ids]])
     return bad[:limit].tolist()
+
+
+def group_invariant_problems(
+    ids: np.ndarray,
+    keys: Sequence[str],
+    *,
+    grouping: str,
+    sampling: str,
+    task_uids: Sequence[str],
+    episodes: Sequence[str],
+    roles: Sequence[str],
+    turns: Sequence[int] | np.ndarray,
+    prompt_hashes: Sequence[int] | None,
+    check_prompts: bool = True,
+    limit: int = 3,
+) -> list[str]:
+    """What each grouping and sampling mode implies about a batch, checked on the rows' own fields.
+
+    The group ids are built from keys; these checks read the rows' task, episode, role, turn and prompt
+    fields independently, so a key built wrongly (index arithmetic, a dropped field) is caught:
+
+    - every grouping: a group holds one task;
+    - ``agent_turn`` and ``agent``: one role per group; ``agent_turn``: one turn per group;
+    - ``tree`` sampling: the candidates of a node (task, episode, role, turn) were drawn from one prompt
+      (under ``agent_turn`` a node is a group; under ``agent`` a group spans the turns of its role);
+    - ``parallel`` sampling: a node holds one candidate (K independent episodes, one sample each), so a
+      group never counts one episode twice;
+    - ``trajectory``: a member (episode) lies in one group.
+
+    Returns:
+        One message per violated invariant, naming up to ``limit`` offending groups with their rows.
+    """
+    ids = np.asarray(ids, dtype=np.int64)
+    if ids.size == 0:
+        return []
+    out: list[str] = []
+
+    def report(bad_ids: list[int], what: str, values: Sequence[object], by: np.ndarray | None = None) -> None:
+        if not bad_ids:
+            return
+        by = ids if by is None else by
+        examples = []
+        for gid in bad_ids[:limit]:
+            rows = np.flatnonzero(by == gid).tolist()
+            shown = rows[:8]
+            where = keys[rows[0]] if by is ids else f"node of row {rows[0]} (group {keys[rows[0]]!r})"
+            examples.append(f"{where!r}: rows {shown} have {what} {[values[r] for r in shown]}")
+        out.append(f"{len(bad_ids)} group(s) mix {what}s, which mas.grouping={grouping} with "
+                   f"mas.sampling={sampling} rules out: " + "; ".join(examples))
+
+    report(prompt_mismatches(ids, task_uids, limit=limit), "task", task_uids)
+    if grouping in ("agent_turn", "agent"):
+        report(prompt_mismatches(ids, roles, limit=limit), "role", roles)
+    if grouping == "agent_turn":
+        report(prompt_mismatches(ids, list(map(int, turns)), limit=limit), "turn", list(map(int, turns)))
+    node, _ = _codes([f"{u}{GROUP_KEY_SEP}{e}{GROUP_KEY_SEP}{r}{GROUP_KEY_SEP}{int(t)}"
+                      for u, e, r, t in zip(task_uids, episodes, roles, turns, strict=True)])
+    if sampling == "tree" and check_prompts and prompt_hashes is not None:
+        report(prompt_mismatches(node, prompt_hashes, limit=limit), "prompt hash", list(prompt_hashes), by=node)
+    if sampling == "parallel":
+        sizes = np.bincount(node)
+        crowded = np.flatnonzero(sizes > 1)[:limit].tolist()
+        if crowded:
+            rows = [np.flatnonzero(node == n).tolist() for n in crowded]
+            out.append(
+                f"{int((sizes > 1).sum())} node(s) (task, episode, role, turn) hold several candidates, but "
+                "mas.sampling=parallel draws one candidate per node (mas.branching=1): rows "
+                + "; ".join(str(r[:8]) for r in rows)
+            )
+    if grouping == "trajectory":
+        member, _ = _codes([f"{u}{MEMBER_SEP}{e}" for u, e in zip(task_uids, episodes, strict=True)])
+        report(prompt_mismatches(member, ids.tolist(), limit=limit), "group id", ids.tolist(), by=member)
+    return out
