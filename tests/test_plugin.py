@@ -230,3 +230,55 @@ def test_unknown_rollout_lists_the_available_ones(name: str) -> None:
     with pytest.raises(ValueError, match=r"Available: \[.*'hf'"):
         RolloutReplicaRegistry.get("no-such-backend")
     assert RolloutReplicaRegistry.get(name).__name__ == "HFReplica"
+
+
+def _every_module() -> list[str]:
+    import pkgutil
+
+    import verl_mas
+
+    return sorted(m.name for m in pkgutil.walk_packages(verl_mas.__path__, "verl_mas.")
+                  if not m.name.endswith("__main__"))
+
+
+@pytest.mark.slow
+def test_any_import_order_registers_everything() -> None:
+    """Each verl_mas module imported first, then verl, in a fresh interpreter: every registration is there.
+
+    Before verl_mas._plugin deferred its registration, `import verl_mas.policies` first lost the mas trainer
+    (a circular import inside verl's plugin loading) and `import verl_mas.backends.cpu_platform` first lost
+    every registration, silently. A module whose import does not pull verl in cannot be caught half-imported
+    by verl's plugin loading, so its probe stops there (the plain `import verl` case is tested above)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    modules = _every_module()
+    assert {"verl_mas.policies", "verl_mas.trainer", "verl_mas.backends.cpu_platform"} <= set(modules)
+
+    def probe(module: str) -> tuple[str, subprocess.CompletedProcess[str]]:
+        first = f"import sys\nimport {module}\nif 'verl' not in sys.modules:\n    print('no-verl')\n    raise SystemExit(0)\n"
+        return module, _run(first + textwrap.dedent(REGISTRY_PROBE))
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        results = list(pool.map(probe, modules))
+    expected = {"plugin_loaded": True, "rollout_adapter": "verl_mas.backends.hf_rollout.HFServerAdapter",
+                "estimator": "verl_mas.advantage.at_grpo", "agent_loop": {"_target_": "verl_mas.agent_loop.MasAgentLoop"},
+                "trainer": "verl_mas.trainer"}
+    broken = {}
+    pulled_verl = 0
+    for module, proc in results:
+        if proc.returncode != 0:
+            broken[module] = proc.stderr[-600:]
+            continue
+        if proc.stdout.strip().endswith("no-verl"):
+            continue
+        pulled_verl += 1
+        state = json.loads(proc.stdout.strip().splitlines()[-1])
+        wrong = {k: state[k] for k, v in expected.items() if state[k] != v}
+        if "cpu" not in state["platforms"] or "hf" not in state["rollout_replicas"]:
+            wrong["platforms/rollouts"] = (state["platforms"], state["rollout_replicas"])
+        if wrong or "verl_mas failed to register" in proc.stderr:
+            broken[module] = wrong or proc.stderr[-600:]
+    print(f"[plugin] {len(modules)} modules imported first ({pulled_verl} import verl themselves): "
+          f"{len(modules) - len(broken)} register everything")
+    assert pulled_verl >= 5  # the probe reached the modules that matter (policies, trainer, cpu_platform, ...)
+    assert not broken, broken

@@ -8,17 +8,26 @@ verl swallows plugin import errors at DEBUG level, after which a run fails much 
 message ("Rollout hf with mode async not found"). So a failure here is logged as a WARNING naming the
 cause and the fix before it propagates. ``VERL_USE_EXTERNAL_MODULES=verl_mas._plugin`` loads the same
 module through verl's other mechanism, where errors are not swallowed.
+
+Import order: when a program imports a verl_mas module before verl (``import verl_mas.policies``), the
+first ``import verl`` runs inside that module, before its names exist, and this plugin cannot yet import
+it. The registration is then *deferred*, and every verl_mas module that imports verl at its top ends with
+:func:`complete`, which finishes it once the module is whole. Any import order registers everything (a
+test imports each module first in a fresh interpreter).
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 
 logger = logging.getLogger("verl_mas")
 
 #: The names registered in verl's registries, for diagnostics and tests.
 REGISTERED: dict[str, list[str]] = {"platform": [], "rollout": [], "adv_estimator": [], "agent_loop": [], "trainer": []}
 LOADED = False
+#: True while the registration waits for a verl_mas module whose import is under way (see the docstring).
+DEFERRED = False
 
 
 def _register() -> None:
@@ -60,10 +69,16 @@ def _register() -> None:
     REGISTERED["trainer"] = ["mas"]
 
 
-try:
-    _register()
-    LOADED = True
-except Exception as exc:  # re-raised below: verl would otherwise hide it at DEBUG level
+def _modules_under_way(caller: str | None = None) -> list[str]:
+    """verl_mas modules (other than this one and ``caller``) whose import has started and not finished."""
+    return sorted(
+        name for name, module in list(sys.modules.items())
+        if name.startswith("verl_mas.") and name not in (__name__, caller)
+        and getattr(getattr(module, "__spec__", None), "_initializing", False)
+    )
+
+
+def _warn(exc: BaseException) -> None:
     logger.warning(
         "verl_mas failed to register with verl (%s: %s), so verl_mas features (the cpu platform, the hf "
         "rollout backend, the at_grpo estimator, the mas trainer) are unavailable in this process. "
@@ -72,4 +87,33 @@ except Exception as exc:  # re-raised below: verl would otherwise hide it at DEB
         type(exc).__name__,
         exc,
     )
-    raise
+
+
+def _attempt(caller: str | None = None) -> None:
+    """Register; defer when a verl_mas module this needs is still being imported; warn and raise otherwise."""
+    global LOADED, DEFERRED
+    try:
+        _register()
+    except Exception as exc:  # re-raised below: verl would otherwise hide it at DEBUG level
+        under_way = _modules_under_way(caller)
+        if under_way:
+            DEFERRED = True
+            logger.debug("verl_mas registration deferred until %s finish importing (%s)", under_way, exc)
+            return
+        _warn(exc)
+        raise
+    LOADED, DEFERRED = True, False
+
+
+def complete(caller: str) -> None:
+    """Finish a deferred registration; called at the end of every verl_mas module that imports verl at its top.
+
+    Args:
+        caller: The calling module's ``__name__`` (it is whole by now, though Python still marks it as
+            being imported).
+    """
+    if DEFERRED and not LOADED:
+        _attempt(caller)
+
+
+_attempt()

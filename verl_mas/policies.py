@@ -11,6 +11,7 @@ group (on verl's resource pool, or on its own with ``resources``), its rollout r
 from __future__ import annotations
 
 import copy
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -170,3 +171,9 @@ class PolicyStack:
     server_manager: Any
     checkpoint_manager: Any
     pool: str = "global_pool"  # the resource pool its workers and rollout replicas live on
+
+
+# verl may have been imported for the first time from inside this module, before it was whole, so that
+# verl_mas's plugin had to defer its registration: finish it now (see verl_mas._plugin, "Import order").
+if (_plugin := sys.modules.get("verl_mas._plugin")) is not None:
+    _plugin.complete(__name__)

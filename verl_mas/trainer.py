@@ -28,6 +28,7 @@ import copy
 import logging
 import math
 import os
+import sys
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
@@ -662,3 +663,9 @@ def _episode_outcome(extra: dict) -> float:
             "the workflow, or use mas.grouping=agent_turn."
         )
     return float(metrics["mas/success"])
+
+
+# verl may have been imported for the first time from inside this module, before it was whole, so that
+# verl_mas's plugin had to defer its registration: finish it now (see verl_mas._plugin, "Import order").
+if (_plugin := sys.modules.get("verl_mas._plugin")) is not None:
+    _plugin.complete(__name__)

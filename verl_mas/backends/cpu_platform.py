@@ -26,6 +26,7 @@ import contextlib
 import functools
 import logging
 import os
+import sys
 from collections.abc import Iterator
 from types import ModuleType, SimpleNamespace
 from typing import Any
@@ -364,3 +365,9 @@ def install() -> None:
     _patch_cpu_offload_policy()
     os.environ.setdefault(ENGINE_DEVICE_ENV, "cuda")
     _installed.done = True
+
+
+# verl may have been imported for the first time from inside this module, before it was whole, so that
+# verl_mas's plugin had to defer its registration: finish it now (see verl_mas._plugin, "Import order").
+if (_plugin := sys.modules.get("verl_mas._plugin")) is not None:
+    _plugin.complete(__name__)
