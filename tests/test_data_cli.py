@@ -182,3 +182,54 @@ def test_verl_rlhf_dataset_loads_the_rows(tmp_path):
     item = dataset[2]
     assert item["agent_name"] == "mas" and item["data_source"] == "relay-v0"
     assert json.loads(item["extra_info"]["task"]) == read_tasks(train_path)[2]
+
+
+def _many_tests_file(tmp_path):
+    """One CodeContests record with 40 golden tests: 5 public and 35 private (input i, output 2i)."""
+    public, private = list(range(5)), list(range(5, 40))
+    rec = {"name": "9_Z. Many", "description": "Print 2n.", "difficulty": 1,
+           "public_tests": {"input": [f"{i}\n" for i in public], "output": [f"{2 * i}\n" for i in public]},
+           "private_tests": {"input": [f"{i}\n" for i in private], "output": [f"{2 * i}\n" for i in private]},
+           "solutions": {"language": [3], "solution": ["print(2 * int(input()))\n"]}}
+    path = tmp_path / "many.jsonl"
+    path.write_text(json.dumps(rec) + "\n")
+    return path
+
+
+@pytest.mark.parametrize(
+    ("flags", "tests"),
+    [
+        (["--split", "test"], 40),  # the test split keeps every golden test
+        (["--split", "train"], 32),  # training: the default cap, DEFAULT_MAX_TESTS = 32 (public 0-4, private 5-31)
+        (["--split", "train", "--max-tests", "8"], 8),  # the flag changes the cap
+        (["--split", "train", "--max-tests", "all"], 40),
+    ],
+)
+def test_published_file_golden_tests_per_split(tmp_path, flags, tests):
+    from verl_mas.data.__main__ import main
+
+    src = _many_tests_file(tmp_path)
+    assert main(["code-v0", "--out", str(tmp_path / "out"), "--source", str(src), "--format", "codecontests",
+                 *flags]) == 0
+    split = flags[1]
+    (task,) = read_tasks(tmp_path / "out" / f"{split}.parquet")
+    assert [t["input"] for t in task["tests"]] == [f"{i}\n" for i in range(tests)]  # public first, in order
+
+
+def test_max_tests_is_refused_where_it_would_cap_a_test_split_or_do_nothing(tmp_path, capsys):
+    from verl_mas.data.__main__ import main
+
+    src = _many_tests_file(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        main(["code-v0", "--out", str(tmp_path), "--source", str(src), "--format", "codecontests", "--split", "test",
+              "--max-tests", "8"])
+    assert e.value.code == 2
+    assert "--max-tests caps the golden tests of the training split only" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # generated tasks: the flag would do nothing
+        main(["code-v0", "--out", str(tmp_path), "--train", "2", "--test", "2", "--max-tests", "8"])
+    assert "--max-tests applies to tasks loaded from a published file" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["code-v0", "--out", str(tmp_path), "--source", str(src), "--format", "codecontests", "--split",
+              "train", "--max-tests", "0"])
+    assert "'0' is not an int >= 1 or 'all'" in capsys.readouterr().err
+    assert not (tmp_path / "test.parquet").exists() and not (tmp_path / "train.parquet").exists()

@@ -16,7 +16,7 @@ FIX = Path(__file__).parent / "fixtures"
 
 
 def test_apps_stdin_tasks_and_skips() -> None:
-    tasks = load_tasks(FIX / "apps.jsonl", "apps")
+    tasks = load_tasks(FIX / "apps.jsonl", "apps", split="train")
     # Record 1 is call-based (fn_name): skipped. Record 2 stores lines as lists: joined.
     assert [t["id"] for t in tasks] == ["apps-0", "apps-2"]
     first, second = tasks
@@ -27,33 +27,33 @@ def test_apps_stdin_tasks_and_skips() -> None:
     for t in tasks:
         check_code_task(t)
     # The paper's index ranges: start/stop slice records in file order.
-    assert [t["id"] for t in load_tasks(FIX / "apps.jsonl", "apps", start=2)] == ["apps-2"]
-    assert load_tasks(FIX / "apps.jsonl", "apps", require_solution=True)[0]["id"] == "apps-0"
-    assert len(load_tasks(FIX / "apps.jsonl", "apps", require_solution=True)) == 1
+    assert [t["id"] for t in load_tasks(FIX / "apps.jsonl", "apps", split="train", start=2)] == ["apps-2"]
+    assert load_tasks(FIX / "apps.jsonl", "apps", split="train", require_solution=True)[0]["id"] == "apps-0"
+    assert len(load_tasks(FIX / "apps.jsonl", "apps", split="train", require_solution=True)) == 1
 
 
 def test_codecontests_public_and_private_tests_python3_solution(tmp_path: Path) -> None:
-    tasks = load_tasks(FIX / "codecontests.jsonl", "codecontests")
+    tasks = load_tasks(FIX / "codecontests.jsonl", "codecontests", split="train")
     assert [t["id"] for t in tasks] == ["codecontests-1_A. Double", "codecontests-2_B. Echo"]  # 3_C has no tests
     double = tasks[0]
     # Public first, then private; generated tests only on request.
     assert [x["input"] for x in double["tests"]] == ["1\n", "5\n", "0\n"]
     assert double["solution"] == "print(2 * int(input()))\n"  # language 3 (Python 3), not C++ (2) or Python 2 (1)
     assert tasks[1]["solution"] is None
-    with_generated = load_tasks(FIX / "codecontests.jsonl", "codecontests", include_generated=True)[0]
+    with_generated = load_tasks(FIX / "codecontests.jsonl", "codecontests", split="train", include_generated=True)[0]
     assert [x["input"] for x in with_generated["tests"]] == ["1\n", "5\n", "0\n", "7\n"]
-    assert len(load_tasks(FIX / "codecontests.jsonl", "codecontests", max_tests=2)[0]["tests"]) == 2
+    assert len(load_tasks(FIX / "codecontests.jsonl", "codecontests", split="train", max_train_tests=2)[0]["tests"]) == 2
     # The published files are parquet: the same records read back identically.
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     path = tmp_path / "train-00000-of-00039.parquet"
     pq.write_table(pa.Table.from_pylist(read_records(FIX / "codecontests.jsonl")), path)
-    assert load_tasks(path, "codecontests") == tasks
+    assert load_tasks(path, "codecontests", split="train") == tasks
 
 
 def test_livecodebench_stdin_tasks_with_encoded_private_tests() -> None:
-    tasks = load_tasks(FIX / "livecodebench.jsonl", "livecodebench")
+    tasks = load_tasks(FIX / "livecodebench.jsonl", "livecodebench", split="train")
     # The LeetCode-style (functional) record is skipped.
     assert [t["id"] for t in tasks] == ["livecodebench-abc001_a", "livecodebench-cf2_b"]
     # Public tests, then the private ones (base64/zlib/pickle in the lite release, plain JSON otherwise).
@@ -72,7 +72,7 @@ def test_livecodebench_refuses_pickles_that_reference_code(tmp_path: Path) -> No
     path = tmp_path / "evil.jsonl"
     path.write_text(json.dumps(rec) + "\n")
     with pytest.raises(ValueError, match="record 0 is not a valid 'livecodebench' record.*refusing to load builtins.print"):
-        load_tasks(path, "livecodebench")
+        load_tasks(path, "livecodebench", split="train")
 
 
 @pytest.mark.parametrize(
@@ -85,7 +85,7 @@ def test_livecodebench_refuses_pickles_that_reference_code(tmp_path: Path) -> No
     ],
 )
 def test_math_formats(name: str, fmt: str, expected: list[tuple[str, str]]) -> None:
-    tasks = load_tasks(FIX / name, fmt)
+    tasks = load_tasks(FIX / name, fmt, split="train")
     assert [(t["id"], t["answer"]) for t in tasks] == expected
     for t in tasks:
         check_math_task(t)
@@ -94,13 +94,13 @@ def test_math_formats(name: str, fmt: str, expected: list[tuple[str, str]]) -> N
 
 def test_errors_name_what_and_how_to_fix(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="format is 'mbpp'"):
-        load_tasks(FIX / "apps.jsonl", "mbpp")
+        load_tasks(FIX / "apps.jsonl", "mbpp", split="train")
     with pytest.raises(ValueError, match="unsupported file type '.csv'"):
-        load_tasks(tmp_path / "x.csv", "apps")
+        load_tasks(tmp_path / "x.csv", "apps", split="train")
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"name": "x", "public_tests": {"input": ["1\n"], "output": ["1\n"]}}) + "\n")  # no description
     with pytest.raises(ValueError, match="record 0 is not a valid 'codecontests' record"):
-        load_tasks(bad, "codecontests")
+        load_tasks(bad, "codecontests", split="train")
 
 
 def test_loader_cli_writes_rows_the_data_module_reads(tmp_path: Path) -> None:
@@ -155,3 +155,67 @@ def test_data_cli_writes_a_split_from_a_published_file(tmp_path) -> None:
     # An empty range is an error, not an empty split.
     assert data_main(["code-v0", "--out", str(tmp_path / "e"), "--source", str(fixture), "--format", "apps",
                       "--split", "train", "--start", "5"]) == 2
+
+
+def _many_tests_file(tmp_path: Path) -> Path:
+    """One CodeContests record with 40 golden tests (5 public, 35 private; input i, output 2i) and one APPS record."""
+    public, private = list(range(5)), list(range(5, 40))
+    cc = {"name": "9_Z. Many", "description": "Print 2n.", "difficulty": 1,
+          "public_tests": {"input": [f"{i}\n" for i in public], "output": [f"{2 * i}\n" for i in public]},
+          "private_tests": {"input": [f"{i}\n" for i in private], "output": [f"{2 * i}\n" for i in private]},
+          "generated_tests": {"input": [], "output": []},
+          "solutions": {"language": [3], "solution": ["print(2 * int(input()))\n"]}}
+    path = tmp_path / "many.jsonl"
+    path.write_text(json.dumps(cc) + "\n")
+    return path
+
+
+def test_the_test_split_keeps_every_golden_test_training_is_capped(tmp_path: Path) -> None:
+    path = _many_tests_file(tmp_path)
+    everything = [{"input": f"{i}\n", "output": f"{2 * i}\n"} for i in range(40)]  # public 0-4, then private 5-39
+    (test_task,) = load_tasks(path, "codecontests", split="test")
+    assert test_task["tests"] == everything  # all 40: success on the test split means passing all of them
+    # Training keeps the first DEFAULT_MAX_TESTS = 32 (the 5 public, then private 5-31), or the cap asked for.
+    assert load_tasks(path, "codecontests", split="train")[0]["tests"] == everything[:32]
+    assert load_tasks(path, "codecontests", split="train", max_train_tests=10)[0]["tests"] == everything[:10]
+    assert load_tasks(path, "codecontests", split="train", max_train_tests=None)[0]["tests"] == everything
+    # The cap is a training setting: the test split ignores it.
+    assert load_tasks(path, "codecontests", split="test", max_train_tests=10)[0]["tests"] == everything
+
+
+def test_apps_test_split_is_not_capped_either(tmp_path: Path) -> None:
+    lines = [f"{i}\n" for i in range(33)]
+    rec = {"problem_id": 7, "question": "Print n.", "solutions": json.dumps(["print(input())"]), "difficulty": "x",
+           "input_output": json.dumps({"inputs": lines, "outputs": lines})}
+    path = tmp_path / "apps.jsonl"
+    path.write_text(json.dumps(rec) + "\n")
+    assert len(load_tasks(path, "apps", split="test")[0]["tests"]) == 33
+    assert len(load_tasks(path, "apps", split="train")[0]["tests"]) == 32  # 33 > DEFAULT_MAX_TESTS
+
+
+def test_split_and_cap_are_validated_together(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"format is 'mbpp'.*; split is 'eval'.*; max_train_tests is 0"):
+        load_tasks(FIX / "apps.jsonl", "mbpp", split="eval", max_train_tests=0)
+    with pytest.raises(TypeError, match="split"):  # no silent default: the caller says what the tasks are for
+        load_tasks(FIX / "apps.jsonl", "apps")  # type: ignore[call-arg]
+
+
+def test_loader_cli_keeps_all_tests_for_the_test_split_and_caps_training(tmp_path: Path) -> None:
+    """`python -m verl_mas.workflows.loaders` is what recipes/code/run.sh calls for both splits."""
+    from verl_mas.data import read_tasks
+    from verl_mas.workflows.loaders import main
+
+    src = _many_tests_file(tmp_path)
+
+    def tests_written(*flags: str) -> int:
+        out = tmp_path / "out.parquet"
+        assert main(["--format", "codecontests", "--source", str(src), "--workflow", "code-v0", "--out", str(out),
+                     *flags]) == 0
+        return len(read_tasks(out)[0]["tests"])
+
+    assert tests_written("--split", "test") == 40
+    assert tests_written("--split", "train") == 32
+    assert tests_written("--split", "train", "--max-tests", "8") == 8
+    assert tests_written("--split", "train", "--max-tests", "all") == 40
+    with pytest.raises(SystemExit):  # a capped test split is refused, not silently capped or ignored
+        tests_written("--split", "test", "--max-tests", "8")

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+import textwrap
+
 import pytest
 
 from verl_mas.registry import get_workflow
@@ -138,3 +143,44 @@ def test_data_cli_writes_disjoint_project_splits(tmp_path) -> None:  # noqa: ANN
     assert main(["math-v0", "--out", str(tmp_path), "--train", "10", "--test", "6", "--seed", "1"]) == 0
     train, test = read_tasks(tmp_path / "train.parquet"), read_tasks(tmp_path / "test.parquet")
     assert len(train) == 10 and len(test) == 6 and not {t["id"] for t in train} & {t["id"] for t in test}
+
+
+def test_an_answer_too_expensive_to_check_is_no_match_and_the_episode_finishes(tmp_path) -> None:
+    """A reasoner answering ``9^{9^{9^{9}}}`` once froze the worker: sympy evaluates the tower in one C call
+    that holds the GIL and practically never returns, so the thread-based 10 s limit never fired. Now the
+    check runs in a process that is killed at the deadline.
+
+    Run in a fresh interpreter with a time limit, so a regression fails here instead of hanging the suite.
+    """
+    script = textwrap.dedent(
+        """
+        import json, sys
+        from verl_mas.testing import ScriptedLLM, run_workflow
+        from verl_mas.workflows.math_tool import MathWorkflow
+
+        if __name__ == "__main__":
+            MathWorkflow.match_timeout_s = 1.5  # the deadline per check (default 10 s), short to keep this fast
+            task, tool = json.loads(sys.argv[1]), sys.argv[2]
+            llm = ScriptedLLM({"reasoner": "so \\\\boxed{9^{9^{9^{9}}}}", "tool": tool})
+            ep = run_workflow(MathWorkflow, task, llm=llm, branching=1, max_turns=1)
+            reasoner, tool = ep.turns[0]
+            print(json.dumps({"metrics": ep.metrics, "reasoner": reasoner.rewards, "tool": tool.rewards,
+                              "truncated": ep.truncated, "problems": ep.validate()}))
+        """
+    )
+    path = tmp_path / "tower.py"
+    path.write_text(script)
+    try:
+        done = subprocess.run([sys.executable, str(path), json.dumps(TASK), TOOL_RIGHT], capture_output=True,
+                              text=True, timeout=90)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"the episode did not finish within {e.timeout} s: an answer check blocked it")
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    # Two checks time out: the reasoner's answer vs the gold 1/2, and the agreement check of the tool's
+    # printed 1/2 against the reasoner's tower (the last check, the reasoner's answer vs gold, is memoised).
+    assert out["metrics"]["mas/math/match_timeouts"] == 2.0
+    # Reasoner: boxed, no match: 0 + 0.2 * 1 + 0.8 * 0 = 0.2. Tool: right: 1 + 0.1 + 0.1 + 0.8 = 2.0.
+    assert out["reasoner"] == pytest.approx([0.2]) and out["tool"] == pytest.approx([2.0])
+    assert out["metrics"]["mas/success"] == 0.0 and out["metrics"]["mas/math/agreed"] == 0.0
+    assert out["truncated"] and not out["problems"]

@@ -1,4 +1,8 @@
-"""The data command line: ``python -m verl_mas.data <workflow-id> --out DIR --train N --test M --seed S``."""
+"""The data command line: ``python -m verl_mas.data <workflow-id> --out DIR --train N --test M --seed S``.
+
+From a published file: ``... --source FILE --format F --split train|test [--start A --stop B] [--max-tests N|all]``
+(``--max-tests`` caps golden tests of the training split only; the test split keeps all of them).
+"""
 
 from __future__ import annotations
 
@@ -8,6 +12,7 @@ import sys
 from collections.abc import Sequence
 
 from verl_mas.data import DEFAULT_PATIENCE, TaskSpaceError, write_dataset
+from verl_mas.workflows.loaders import add_max_tests_flag, load_tasks, max_train_tests_flag
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -29,6 +34,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     published.add_argument("--split", default=None, choices=("train", "test"), help="which split the file becomes")
     published.add_argument("--start", type=int, default=0, help="first record (file order)")
     published.add_argument("--stop", type=int, default=None, help="one past the last record")
+    add_max_tests_flag(published)
     parser.add_argument("--seed", type=int, default=0, help="dataset seed (default 0)")
     parser.add_argument(
         "--patience", type=int, default=DEFAULT_PATIENCE,
@@ -39,19 +45,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.source is not None:
         if args.format is None or args.split is None:
             parser.error("--source needs --format and --split (the paper's splits are index ranges: --start/--stop)")
+        max_train_tests = max_train_tests_flag(parser, args)
         from pathlib import Path
 
         from verl_mas.data import write_split
-        from verl_mas.workflows.loaders import load_tasks
 
         try:
-            tasks = load_tasks(args.source, args.format, start=args.start, stop=args.stop)
+            tasks = load_tasks(args.source, args.format, split=args.split, start=args.start, stop=args.stop,
+                               max_train_tests=max_train_tests)
             path = write_split(args.workflow, tasks, Path(args.out) / f"{args.split}.parquet", args.split)
         except (LookupError, ValueError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
         print(f"{len(tasks)} {args.split} tasks: {path}")
         return 0
+    if "max_tests" in vars(args):
+        parser.error("--max-tests applies to tasks loaded from a published file (--source); generated tasks carry "
+                     "the tests their workflow's generate_task gives them. Drop --max-tests, or add "
+                     "--source/--format/--split.")
     if args.train is None or args.test is None:
         parser.error("--train and --test are required (or --source FILE --format F --split S for a published file)")
     try:

@@ -22,10 +22,15 @@ docs/code-and-math.md.
 
 Code task: ``{"id", "source", "question", "tests": [{"input", "output"}], "solution": str | None,
 "difficulty"}``. Math task: ``{"id", "source", "problem", "answer"}``.
+
+Golden tests: a **test**-split code task keeps all of them (success means passing every one; a capped
+test set would inflate accuracy). A **train**-split task keeps the first ``max_train_tests``
+(:data:`DEFAULT_MAX_TESTS`, public tests first), since each is one sandbox run per candidate.
 """
 
 from __future__ import annotations
 
+import argparse
 import base64
 import functools
 import io
@@ -43,7 +48,9 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "CODE_FORMATS",
     "FORMATS",
+    "DEFAULT_MAX_TESTS",
     "MATH_FORMATS",
+    "SPLITS",
     "check_code_task",
     "check_math_task",
     "load_tasks",
@@ -56,8 +63,12 @@ CODE_FORMATS = ("apps", "codecontests", "livecodebench")
 MATH_FORMATS = ("aime", "olympiadbench", "polaris")
 FORMATS = CODE_FORMATS + MATH_FORMATS
 
-#: Default cap on golden tests kept per code task (CodeContests has hundreds; each is one sandbox run).
+#: Default cap on golden tests kept per code task of the training split (CodeContests has hundreds; each
+#: is one sandbox run). The test split is never capped.
 DEFAULT_MAX_TESTS = 32
+
+#: The splits a loaded file can become.
+SPLITS = ("train", "test")
 
 #: CodeContests' ``solutions.language`` code for Python 3.
 _CC_PYTHON3 = 3
@@ -288,9 +299,10 @@ def load_tasks(
     path: str | Path,
     format: str,
     *,
+    split: str,
     start: int = 0,
     stop: int | None = None,
-    max_tests: int | None = DEFAULT_MAX_TESTS,
+    max_train_tests: int | None = DEFAULT_MAX_TESTS,
     include_generated: bool = False,
     require_solution: bool = False,
 ) -> list[dict[str, Any]]:
@@ -302,9 +314,11 @@ def load_tasks(
     Args:
         path: A ``.jsonl``, ``.json`` or ``.parquet`` file in the dataset's published format.
         format: One of :data:`FORMATS`.
+        split: ``"train"`` or ``"test"``: what the tasks are for. Test tasks keep every golden test.
         start: First record (file order) to use, e.g. 500 for the paper's APPS training range.
         stop: One past the last record to use (None: to the end), e.g. 4500.
-        max_tests: Keep at most this many golden tests per code task (None: all), public tests first.
+        max_train_tests: ``split="train"`` only: keep at most this many golden tests per code task, public
+            tests first (None: all). Ignored for ``split="test"``, which keeps all of them.
         include_generated: CodeContests: also use ``generated_tests`` (the paper used public + private).
         require_solution: Code: skip tasks without a golden solution (the tester's ``0.8 * g`` term
             needs one).
@@ -313,11 +327,21 @@ def load_tasks(
         Task dicts (see the module docstring), in file order.
 
     Raises:
-        ValueError: Unknown ``format``, unsupported file type, or a record missing a required field
-            (named with its index).
+        ValueError: Unknown ``format`` or ``split``, a ``max_train_tests`` below 1, an unsupported file type,
+            or a record missing a required field (named with its index).
     """
+    problems = []
     if format not in FORMATS:
-        raise ValueError(f"format is {format!r}; it must be one of {FORMATS}")
+        problems.append(f"format is {format!r}; it must be one of {FORMATS}")
+    if split not in SPLITS:
+        problems.append(f"split is {split!r}; it must be one of {SPLITS} (test tasks keep every golden test)")
+    if max_train_tests is not None and (isinstance(max_train_tests, bool) or not isinstance(max_train_tests, int)
+                                        or max_train_tests < 1):
+        problems.append(f"max_train_tests is {max_train_tests!r}; it must be an int >= 1, or None to keep all tests")
+    if problems:
+        raise ValueError("; ".join(problems))
+    cap = max_train_tests if split == "train" else None
+    capped = 0
     records = read_records(path)[start:stop]
     tasks: list[dict[str, Any]] = []
     for i, rec in enumerate(records, start=start):
@@ -338,14 +362,18 @@ def load_tasks(
         if task is None:
             continue
         if format in CODE_FORMATS:
-            if max_tests is not None:
-                task["tests"] = task["tests"][:max_tests]
             if require_solution and task["solution"] is None:
                 continue
+            if cap is not None and len(task["tests"]) > cap:
+                task["tests"] = task["tests"][:cap]
+                capped += 1
         tasks.append(task)
     skipped = len(records) - len(tasks)
     if skipped:
         logger.info("%s: loaded %d %s tasks, skipped %d unusable records", path, len(tasks), format, skipped)
+    if capped:
+        logger.info("%s: kept the first %d golden tests of %d %s training tasks (max_train_tests)", path, cap, capped,
+                    format)
     return tasks
 
 
@@ -367,10 +395,39 @@ def write_tasks(workflow_id: str, tasks: list[dict[str, Any]], path: str | Path,
     return write_split(workflow_id, tasks, path, split)
 
 
+# ---------------------------------------------------------------------------------------------------
+# Command lines (this module's and `python -m verl_mas.data --source`).
+
+
+def add_max_tests_flag(parser: Any) -> None:  # an ArgumentParser or argument group
+    """Add ``--max-tests N|all`` to an ``argparse`` parser; read it back with :func:`max_train_tests_flag`."""
+
+    def parse(text: str) -> int | None:
+        if text.strip().lower() == "all":
+            return None
+        if not text.strip().isdigit() or int(text) < 1:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an int >= 1 or 'all'")
+        return int(text)
+
+    parser.add_argument(
+        "--max-tests", type=parse, default=argparse.SUPPRESS, metavar="N|all",
+        help=f"--split train only: golden tests kept per code task, public first (default {DEFAULT_MAX_TESTS}; 'all': "
+        "no cap). --split test always keeps every golden test, so that success means passing all of them",
+    )
+
+
+def max_train_tests_flag(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int | None:
+    """The ``max_train_tests`` for parsed ``args``; a parser error when ``--max-tests`` comes with ``--split test``."""
+    if "max_tests" not in vars(args):
+        return DEFAULT_MAX_TESTS
+    if args.split == "test":
+        parser.error("--max-tests caps the golden tests of the training split only; test tasks keep every golden test "
+                     "(a capped test set inflates accuracy). Drop --max-tests, or use --split train.")
+    return args.max_tests
+
+
 def main(argv: list[str] | None = None) -> int:
     """``python -m verl_mas.workflows.loaders --format apps --source FILE --workflow code-v0 --split test --out X.parquet``."""
-    import argparse
-
     parser = argparse.ArgumentParser(prog="python -m verl_mas.workflows.loaders",
                                      description="Convert a published dataset file into a verl_mas parquet file.")
     parser.add_argument("--format", required=True, choices=FORMATS)
@@ -380,13 +437,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="output .parquet file")
     parser.add_argument("--start", type=int, default=0, help="first record (file order)")
     parser.add_argument("--stop", type=int, default=None, help="one past the last record")
-    parser.add_argument("--max-tests", type=int, default=DEFAULT_MAX_TESTS, help="golden tests kept per code task")
+    add_max_tests_flag(parser)
     parser.add_argument("--include-generated", action="store_true", help="CodeContests: add generated_tests")
     parser.add_argument("--require-solution", action="store_true", help="code: skip tasks without a golden solution")
     args = parser.parse_args(argv)
+    max_train_tests = max_train_tests_flag(parser, args)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    tasks = load_tasks(args.source, args.format, start=args.start, stop=args.stop, max_tests=args.max_tests,
-                       include_generated=args.include_generated, require_solution=args.require_solution)
+    tasks = load_tasks(args.source, args.format, split=args.split, start=args.start, stop=args.stop,
+                       max_train_tests=max_train_tests, include_generated=args.include_generated,
+                       require_solution=args.require_solution)
     write_tasks(args.workflow, tasks, args.out, args.split)
     return 0
 

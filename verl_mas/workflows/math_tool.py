@@ -18,6 +18,12 @@ candidate's own answer equals the task's answer, see :func:`answers_match`):
 
 The episode terminates when the committed answers of the two roles agree; success (``mas/success``) is
 whether the reasoner's last committed answer is correct.
+
+Answer checks run in a worker process of :mod:`verl_mas.verify`, killed after ``match_timeout_s``
+(class attribute, default :data:`MATCH_TIMEOUT_S`): some answers (``9^{9^{9^{9}}}``) keep sympy computing
+practically forever inside one C call that holds the GIL, which no thread timeout can interrupt. A check that runs
+past the deadline is no match, counted in ``mas/math/match_timeouts``; a worker that dies (OOM, signal)
+raises :class:`verl_mas.errors.InfraError` and aborts the episode, since it says nothing about the answer.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from typing import Any
 from verl_mas.chat import Message, system, user
 from verl_mas.registry import register_workflow
 from verl_mas.sandbox import check_compiles, run_python
+from verl_mas.verify import CheckTimeout, run_check
 from verl_mas.workflow import Workflow
 from verl_mas.workflows.code import _Memo, extract_code, settle_all
 from verl_mas.workflows.loaders import check_math_task, project_tasks
@@ -56,7 +63,7 @@ NUMERIC_ABS_TOL = 1e-6
 #: Longer answers are not parsed (they do not match): bounds the symbolic work per comparison.
 MAX_ANSWER_CHARS = 200
 
-#: A comparison that takes longer counts as no match (counted in ``mas/math/match_timeouts``).
+#: A comparison that runs longer is killed and counts as no match (counted in ``mas/math/match_timeouts``).
 MATCH_TIMEOUT_S = 10.0
 
 # ---------------------------------------------------------------------------------------------------
@@ -105,8 +112,8 @@ def _parse(text: str) -> tuple[Any, ...]:
     """math-verify's parse of an answer: as the content of a ``\\boxed{}`` (LaTeX), else as a plain expression."""
     from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse
 
-    # parsing_timeout=None: math-verify's timeout uses signal.alarm, which works in the main thread only;
-    # the workflow runs this in a worker thread under its own time limit instead (MATCH_TIMEOUT_S).
+    # parsing_timeout=None: math-verify's timeout uses signal.alarm, a Python handler that cannot interrupt
+    # a C call holding the GIL (a huge power); the workflows run this in a process killed at a deadline instead.
     found = parse("\\boxed{" + text + "}", extraction_config=[LatexExtractionConfig()], parsing_timeout=None)
     if not found:
         found = parse(text, extraction_config=[ExprExtractionConfig()], parsing_timeout=None)
@@ -139,8 +146,10 @@ def answers_match(pred: str | None, gold: str) -> bool:
     parse; surrounding ``$`` dropped). When both are numbers they match within
     ``max(NUMERIC_ABS_TOL, 1e-9 * |gold|)``; otherwise ``math_verify.verify(gold, pred)`` decides
     (expressions, sets, intervals, equations such as ``x = 3`` vs ``3``). An answer math-verify cannot
-    parse at all (e.g. ``Yes``) matches only the identical string (whitespace ignored). Blocking and
-    possibly slow (symbolic work): call it off the event loop.
+    parse at all (e.g. ``Yes``) matches only the identical string (whitespace ignored).
+
+    Blocking and unbounded: ``answers_match("9^{9^{9^{9}}}", "1")`` never returns in practice, holding the GIL.
+    Call it through :func:`verl_mas.verify.run_check` (a killable process), as the workflows do.
     """
     if pred is None:
         return False
@@ -156,6 +165,12 @@ def answers_match(pred: str | None, gold: str) -> bool:
     from math_verify import verify
 
     return bool(verify(list(gp), list(pp), timeout_seconds=None))
+
+
+def _warm_up_check_worker() -> None:
+    """Called by each :mod:`verl_mas.verify` worker before its first check: imports sympy and math-verify and
+    builds math-verify's LaTeX parser (~0.5 s), which would otherwise count against a check's deadline."""
+    answers_match("\\frac{1}{2}", "0.5")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -178,6 +193,9 @@ def _clip(text: str, width: int) -> str:
 class _MathBase(Workflow):
     """Shared answer checking for the math workflows."""
 
+    #: Seconds an answer check may run before its worker process is killed (the answer then does not match).
+    match_timeout_s: float = MATCH_TIMEOUT_S
+
     example_task: Any = {"id": "add-fractions", "source": "verl_mas",
                          "problem": "Compute 1/3 + 1/6. Give the answer as a reduced fraction.", "answer": "\\frac{1}{2}"}
 
@@ -199,15 +217,16 @@ class _MathBase(Workflow):
         if pred is None:
             return False
         try:
-            return await asyncio.wait_for(self.run_blocking(answers_match, pred, gold), MATCH_TIMEOUT_S)
-        except asyncio.TimeoutError:
-            logger.warning("answer comparison took over %s s; counted as no match: %.80r vs %.80r",
-                           MATCH_TIMEOUT_S, pred, gold)
+            # A dead worker raises InfraError (the episode aborts): an infrastructure failure is never a reward.
+            return await run_check(answers_match, pred, gold, timeout_s=self.match_timeout_s)
+        except CheckTimeout:
+            logger.warning("answer comparison ran over %s s and was killed; counted as no match: %.80r vs %.80r",
+                           self.match_timeout_s, pred, gold)
             self.metrics["mas/math/match_timeouts"] += 1.0
             return False
 
     def _match(self, pred: str | None, gold: str) -> asyncio.Task[bool]:
-        """Memoised :func:`answers_match` in a worker thread, with a time limit (a timeout is no match)."""
+        """Memoised :func:`answers_match` in a killable worker process (past ``match_timeout_s``: no match)."""
         return self._matches((pred, gold))
 
     async def _score_reasoners(self, candidates: Any, gold: str) -> list[str | None]:
