@@ -7,7 +7,9 @@ import asyncio
 import hashlib
 import logging
 import os
+import shutil
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -24,8 +26,13 @@ from verl_mas.sandbox import (
     check_compiles,
     run_tests,
 )
+from verl_mas.sandbox import local as local_backend
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the local sandbox backend is Linux-only")
+
+# These tests check correctness, not isolation (test_sandbox_attacks / _isolation do, as root). Without root
+# the default refuses to run (a protection is missing), so there they accept what the machine allows.
+ANY_ISOLATION = {} if os.geteuid() == 0 else {"require_isolation": False}
 
 
 
@@ -37,7 +44,7 @@ def work_root(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def box(work_root):
-    sb = LocalSandbox(SandboxConfig(timeout_s=10, pool_size=4, work_root=str(work_root)))
+    sb = LocalSandbox(SandboxConfig(timeout_s=10, pool_size=4, work_root=str(work_root), **ANY_ISOLATION))
     yield sb
     sb.close()
 
@@ -128,7 +135,7 @@ async def test_check_compiles(sb):
 
 # ---------------------------------------------------------------------------------------------- pool
 async def test_pool_bounds_concurrency_without_blocking_the_loop(work_root):
-    small = LocalSandbox(SandboxConfig(pool_size=2, timeout_s=20, work_root=str(work_root)))
+    small = LocalSandbox(SandboxConfig(pool_size=2, timeout_s=20, work_root=str(work_root), **ANY_ISOLATION))
     try:
         await small.start()
         program = "import time\nt0 = time.time()\ntime.sleep(1.0)\nprint(t0, time.time())\n"
@@ -173,7 +180,7 @@ async def test_cancelled_run_is_killed_and_its_slot_reused(sb, work_root, procs_
 
 # ---------------------------------------------------------------------------------------------- failures
 async def test_infrastructure_failure_raises_and_recovers(work_root, procs_of):
-    fragile = LocalSandbox(SandboxConfig(timeout_s=30, pool_size=2, work_root=str(work_root)))
+    fragile = LocalSandbox(SandboxConfig(timeout_s=30, pool_size=2, work_root=str(work_root), **ANY_ISOLATION))
     try:
         await fragile.start()
         task = asyncio.create_task(fragile.run_python("import time\ntime.sleep(20)\n"))
@@ -212,7 +219,7 @@ async def test_without_isolation_every_missing_protection_is_reported_once(work_
 
 async def test_module_level_default_sandbox(work_root):
     try:
-        cfg = sandbox.configure({"timeout_s": 5, "pool_size": 2, "work_root": str(work_root)})
+        cfg = sandbox.configure({"timeout_s": 5, "pool_size": 2, "work_root": str(work_root), **ANY_ISOLATION})
         r = await sandbox.run_python("print(input()[::-1])", "abc\n")
         assert r.stdout == "cba\n"
         assert sandbox.get_sandbox() is sandbox.get_sandbox(cfg)
@@ -221,3 +228,36 @@ async def test_module_level_default_sandbox(work_root):
     finally:
         await sandbox.get_sandbox(cfg).aclose()
         sandbox.configure(None)
+
+
+# ---------------------------------------------------------------------------------------------- package tree
+def _copy_helper(directory: Path) -> list[str]:
+    """Copy the fork server's modules (it imports its siblings by path) into ``directory``."""
+    directory.mkdir()
+    names = sorted(f.name for f in local_backend._ZYGOTE.parent.glob("_*.py") if f.name != "__init__.py")
+    for name in names:
+        shutil.copy(local_backend._ZYGOTE.parent / name, directory / name)
+    return names
+
+
+async def test_the_helper_writes_no_bytecode_into_its_package(tmp_path, work_root, monkeypatch):
+    helper = tmp_path / "helper"
+    names = _copy_helper(helper)
+    assert {"_zygote.py", "_runinit.py", "_linux.py"} <= set(names)
+    monkeypatch.setattr(local_backend, "_ZYGOTE", helper / "_zygote.py")
+    box = LocalSandbox(SandboxConfig(pool_size=1, require_isolation=False, work_root=str(work_root)))
+    try:
+        r = await box.run_python("print('ran')")
+        # Positive control: the fork server really is the copy.
+        assert str(helper / "_zygote.py").encode() in Path(f"/proc/{box.zygote_pid}/cmdline").read_bytes()
+    finally:
+        box.close()
+    assert r.stdout == "ran\n"
+    assert sorted(p.name for p in helper.rglob("*")) == names  # no __pycache__, no .pyc
+    # Negative control: the same import without -B (as `python -I`, which ignores PYTHONDONTWRITEBYTECODE)
+    # does write bytecode next to the modules, so the check above can see it.
+    control = tmp_path / "control"
+    _copy_helper(control)
+    subprocess.run([sys.executable, "-I", "-S", "-c", f"import sys; sys.path.insert(0, {str(control)!r}); "
+                    "import _runinit"], check=True, env={"PYTHONDONTWRITEBYTECODE": "1"})
+    assert {p.name.split(".")[0] for p in (control / "__pycache__").glob("*.pyc")} >= {"_runinit", "_linux"}

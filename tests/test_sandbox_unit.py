@@ -55,6 +55,27 @@ def test_from_dict_turns_lists_into_tuples_and_rejects_unknown_keys():
         SandboxConfig.from_dict({"timeout": 3})
 
 
+def test_time_budget_backstop_and_cpu_limit():
+    cfg = SandboxConfig(timeout_s=2.5)
+    # Backstop: backstop_factor (default 3) x the run's budget: 3 x 2.5 = 7.5 s; a per-call budget of 4 s: 12 s.
+    assert (cfg.backstop_s(), cfg.backstop_s(4.0)) == (7.5, 12.0)
+    # RLIMIT_CPU follows the run's budget: ceil(4.0) + 1 = 5 (config default: ceil(2.5) + 1 = 4); a set cpu_s wins.
+    assert (cfg.resolved_cpu_s(), cfg.resolved_cpu_s(4.0)) == (4, 5)
+    assert SandboxConfig(cpu_s=7).resolved_cpu_s(100.0) == 7
+    for bad in (1, 0.5, True, "3"):  # the backstop must leave the program at least its budget
+        with pytest.raises(ValueError, match="backstop_factor"):
+            SandboxConfig(backstop_factor=bad)
+
+
+def test_isolation_is_required_unless_explicitly_given_up():
+    assert SandboxConfig().requires_isolation()  # the default fails closed
+    assert not SandboxConfig(require_isolation=False).requires_isolation()
+    assert not SandboxConfig(isolation="none").requires_isolation()  # the explicit opt-out
+    assert SandboxConfig.from_dict({"require_isolation": True}).requires_isolation()
+    with pytest.raises(ValueError, match="require_isolation"):
+        SandboxConfig(require_isolation="no")
+
+
 def test_contradictions_and_remote_without_url_are_rejected():
     with pytest.raises(ValueError, match="contradict"):
         SandboxConfig(isolation="none", require_isolation=True)

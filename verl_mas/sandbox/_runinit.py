@@ -11,12 +11,16 @@ import os
 import resource
 import select
 import signal
+import socket
+import time
 import traceback
 from dataclasses import dataclass
 
 if __package__:
+    from verl_mas.sandbox import _budget as budget
     from verl_mas.sandbox import _linux as linux
-else:  # loaded by the fork-server script (python -I -S), which puts this directory on sys.path
+else:  # loaded by the fork-server script (python -I -S -B), which puts this directory on sys.path
+    import _budget as budget  # type: ignore[no-redef]
     import _linux as linux  # type: ignore[no-redef]
 
 __all__ = ["RunPlan", "run_helper", "run_init"]
@@ -34,6 +38,9 @@ class RunPlan:
     """Apply RLIMIT_NPROC without a dedicated uid (a run's own user namespace on Linux >= 5.14)."""
     tmp_exposed: tuple[str, ...] = ()
     """Interpreter trees under ``/tmp``, bound back read-only into each run's private ``/tmp``."""
+    links: tuple[tuple[str, str], ...] = ()
+    """(path, target) of symlinks on the way to the interpreter that lie in a directory each run replaces
+    (``/tmp``, a mask) outside the trees bound back: recreated there, so the interpreter path resolves."""
 
 
 def run_helper(plan: RunPlan, run: dict, fds: list[int], rep_w: int, alive_r: int, prot: dict[str, bool],
@@ -68,8 +75,8 @@ def run_init(plan: RunPlan, run: dict, fds: list[int], rep_w: int, alive_r: int,
              unshare_flags: int) -> None:
     """The run's init ("B", pid 1 of its PID namespace): set up, fork the program, reap, report.
 
-    Writes one JSON report to ``rep_w``: ``{"status": wait status, "cpu_s": ...}`` of the program, or
-    ``{"error": ...}`` when the sandbox could not start it. Never returns.
+    Writes one JSON report to ``rep_w``: ``{"status": wait status, "cpu_s": ..., "verdict": ..., ...}`` of the
+    program (see `budget.supervise`), or ``{"error": ...}`` when the sandbox could not start it. Never returns.
     """
     report: dict = {}
     try:
@@ -94,28 +101,57 @@ def run_init(plan: RunPlan, run: dict, fds: list[int], rep_w: int, alive_r: int,
                 for root, dirs, files in os.walk(workdir):
                     for name in [root, *(os.path.join(root, n) for n in dirs + files)]:
                         os.lchown(name, uid, uid)
-        err_r, err_w = os.pipe2(os.O_CLOEXEC)
+        err_r, err_w = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        start = time.monotonic()
         program = os.fork()
         if program == 0:
-            os.close(err_r)
+            err_r.close()
             exec_program(plan, run, fds, err_w, uid, workdir)  # never returns
-        os.close(err_w)
+        err_w.close()
         for fd in fds:
             os.close(fd)
-        exec_error = linux.read_all(err_r).decode(errors="replace")
-        while True:  # as pid 1 we also reap orphans; the program's status is the one that counts
-            pid, status, usage = os.wait4(-1 if prot["pid_namespace"] else program, 0)
-            if pid == program:
-                break
-        if exec_error:
-            report = {"error": f"could not start the interpreter: {exec_error}"}
+        clocks, exec_error = _receive_clocks(err_r)
+        if exec_error or len(clocks) != 2:
+            while True:  # as pid 1 we also reap orphans; the program's status is the one that counts
+                pid, status, usage = os.wait4(-1 if prot["pid_namespace"] else program, 0)
+                if pid == program:
+                    break
+            report = {"error": f"could not start the interpreter: {exec_error or 'no clocks received'}"}
         else:
-            report = {"status": status, "cpu_s": usage.ru_utime + usage.ru_stime}
+            meter = budget.Meter(start, clocks[0], clocks[1], prot["pid_namespace"] and prot["filesystem"])
+            status, usage, verdict, sample = budget.supervise(program, meter, run["budget_s"], run["backstop_s"],
+                                                              prot["pid_namespace"])
+            report = {"status": status, "cpu_s": usage.ru_utime + usage.ru_stime, "verdict": verdict,
+                      "program_s": sample.charged_s, "wall_s": sample.wall_s, "wait_s": sample.wait_s}
     except BaseException:  # noqa: BLE001 - reported to the host as an infrastructure failure
         report = {"error": "run setup: " + traceback.format_exc()}
     finally:
         os.write(rep_w, json.dumps(report).encode())
         os._exit(0)
+
+
+def _receive_clocks(sock: socket.socket) -> tuple[list[int], str]:
+    """The program's clock descriptors (``/proc/self/stat``, ``schedstat``) and any error text it sent
+    before exec; returns at exec (the socket is close-on-exec) or when the process ends."""
+    clocks: list[int] = []
+    errors: list[bytes] = []
+    while True:
+        data, fds, _, _ = socket.recv_fds(sock, 65536, 2)
+        if not data and not fds:
+            sock.close()
+            return clocks, b"".join(errors).decode(errors="replace")
+        if fds:
+            clocks.extend(fds)
+        else:
+            errors.append(data)
+
+
+def _make_links(links: tuple[tuple[str, str], ...], root: str) -> None:
+    """Recreate the planned symlinks that lie under ``root`` (a fresh tmpfs of this run)."""
+    for path, target in links:
+        if path.startswith(root + "/"):
+            os.makedirs(os.path.dirname(path), mode=0o755, exist_ok=True)
+            os.symlink(target, path)
 
 
 def setup_fs(plan: RunPlan, run: dict, uid: int | None, prot: dict[str, bool]) -> None:
@@ -132,6 +168,7 @@ def setup_fs(plan: RunPlan, run: dict, uid: int | None, prot: dict[str, bool]) -
             os.makedirs(e, mode=0o755, exist_ok=True)
             linux.mount(f"/proc/self/fd/{expose_fds[e]}", e, None, linux.MS_BIND | linux.MS_REC)
             linux.make_readonly(e, recursive=True)
+        _make_links(plan.links, mask)
         linux.make_readonly(mask, recursive=False)
     for fd in expose_fds.values():
         os.close(fd)
@@ -145,6 +182,7 @@ def setup_fs(plan: RunPlan, run: dict, uid: int | None, prot: dict[str, bool]) -
         linux.mount(f"/proc/self/fd/{fd}", e, None, linux.MS_BIND | linux.MS_REC)
         linux.make_readonly(e, recursive=True)
         os.close(fd)
+    _make_links(plan.links, "/tmp")
     if os.path.isdir("/dev/shm"):
         linux.mount("tmpfs", "/dev/shm", "tmpfs", linux.MS_NOSUID | linux.MS_NODEV,
                     f"size={run['disk_bytes']},mode=1777")
@@ -152,9 +190,16 @@ def setup_fs(plan: RunPlan, run: dict, uid: int | None, prot: dict[str, bool]) -
         linux.mount("proc", "/proc", "proc", linux.MS_NOSUID | linux.MS_NODEV | linux.MS_NOEXEC)
 
 
-def exec_program(plan: RunPlan, run: dict, fds: list[int], err_w: int, uid: int | None, workdir: str) -> None:
-    """The program ("C"): limits, no_new_privs, drop to the slot uid, stdio, then execve the interpreter."""
+def exec_program(plan: RunPlan, run: dict, fds: list[int], err_sock: socket.socket, uid: int | None,
+                 workdir: str) -> None:
+    """The program ("C"): hand its clocks to the init, limits, no_new_privs, drop to the slot uid, stdio,
+    then execve the interpreter."""
+    err_w = err_sock.fileno()
     try:
+        clocks = [os.open(f"/proc/self/{name}", os.O_RDONLY | os.O_CLOEXEC) for name in ("stat", "schedstat")]
+        socket.send_fds(err_sock, [b"clocks"], clocks)
+        for fd in clocks:
+            os.close(fd)
         lim = run["limits"]
         os.chdir(workdir)
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))

@@ -1,15 +1,15 @@
 """Fork server that starts each sandboxed run in fresh Linux namespaces (stdlib only; runs as a script).
 
-The host (`verl_mas.sandbox.local`) starts this file once per sandbox with ``python -I -S`` and talks to it
-over a ``SOCK_SEQPACKET`` socket: JSON messages, plus the run's stdin/stdout/stderr descriptors passed with
-``SCM_RIGHTS``. Forking this small single-threaded process is far cheaper and safer than forking a training
-process that holds GBs of mappings and many threads.
+The host (`verl_mas.sandbox.local`) starts this file once per sandbox with ``python -I -S -B`` (``-B``: the
+package tree is never written to) and talks to it over a ``SOCK_SEQPACKET`` socket: JSON messages, plus the
+run's stdin/stdout/stderr descriptors passed with ``SCM_RIGHTS``. Forking this small single-threaded process
+is far cheaper and safer than forking a training process that holds GBs of mappings and many threads.
 
-Modules: this one is the server loop; `_runinit` is what runs inside each run; `_linux` wraps the
-system calls. Process tree of one run (root)::
+Modules: this one is the server loop; `_runinit` is what runs inside each run; `_budget` keeps a run's
+time budget; `_linux` wraps the system calls. Process tree of one run (root)::
 
     zygote ── B  root, init (pid 1) of the run's fresh PID namespace: unshares net/mount/ipc/uts, mounts,
-              │  forks C, reaps orphans, reports C's wait status on a pipe
+              │  forks C, keeps its time budget, reaps orphans, reports C's wait status on a pipe
               └─ C  drops to the slot's uid, sets rlimits and no_new_privs, execs the interpreter
 
 The zygote unshares CLONE_NEWPID only for its next child and setns()-es straight back, so no intermediate
@@ -36,7 +36,7 @@ import tempfile
 if __package__:
     from verl_mas.sandbox import _linux as linux
     from verl_mas.sandbox import _runinit as runinit
-else:  # run as a script by the host (python -I -S): make the sibling modules importable
+else:  # run as a script by the host (python -I -S -B): make the sibling modules importable
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import _linux as linux  # type: ignore[no-redef]
     import _runinit as runinit  # type: ignore[no-redef]
@@ -73,6 +73,7 @@ class Zygote:
         self.problems: list[str] = []
         self.masks: list[tuple[str, tuple[str, ...]]] = []
         self.tmp_exposed: tuple[str, ...] = ()  # interpreter trees under /tmp, which each run replaces
+        self.links: tuple[tuple[str, str], ...] = ()  # symlinks to the interpreter that each run recreates
         self.plan = runinit.RunPlan(self.pid, cfg["uid_base"], (), nproc_per_userns=False)
         self.prot = dict.fromkeys(PROTECTIONS, False)
         self.wake_r, self.wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
@@ -97,14 +98,15 @@ class Zygote:
         probe = ("import json, os, sys; print(json.dumps([sys.prefix, sys.base_prefix, sys.exec_prefix, "
                  "sys.base_exec_prefix, os.path.dirname(os.path.realpath(sys.executable)), *sys.path]))")
         needed = set(json.loads(linux.capture([self.cfg["python"], *self.cfg["python_flags"], "-c", probe])))
-        hop = self.cfg["python"]  # every directory on the interpreter's symlink chain must stay reachable
-        for _ in range(40):
-            needed.add(os.path.dirname(hop))
-            if not os.path.islink(hop):
-                break
-            hop = os.path.join(os.path.dirname(hop), os.readlink(hop))
+        needed.add(self.cfg["python"])
+        links: dict[str, str] = {}  # every symlink met on the way to what the interpreter needs
+        trees: set[str] = set()
+        for path in needed:
+            if path and os.path.isabs(path) and os.path.exists(path):
+                real = _resolve(path, links)
+                trees.add(real if os.path.isdir(real) else os.path.dirname(real))
         exposed: list[str] = []
-        for path in sorted(os.path.realpath(p) for p in needed if p and os.path.exists(p)):
+        for path in sorted(trees):
             if not any(path == e or path.startswith(e + "/") for e in exposed):
                 exposed.append(path)
         # Each run mounts a private tmpfs on /tmp: an interpreter living under /tmp (a checkout or a virtual
@@ -112,10 +114,12 @@ class Zygote:
         self.tmp_exposed = tuple(e for e in exposed if e.startswith("/tmp/"))
         masks = {os.path.realpath(h) for h in self.cfg["hidden_paths"] if os.path.isdir(h)}
         if self.is_root:  # the slot uid is an "other": it needs o+x on every ancestor of what it runs
-            for path in exposed:
+            for path in [*exposed, *links]:
                 cur = ""
                 for part in path.strip("/").split("/")[:-1]:
                     cur += "/" + part
+                    if cur.startswith("/tmp/"):
+                        break  # each run's /tmp is a fresh tmpfs whose directories are 0755
                     if not os.stat(cur).st_mode & stat.S_IXOTH:
                         masks.add(cur)
                         break
@@ -126,6 +130,13 @@ class Zygote:
                 self.problems.append(f"hidden path {mask} holds the interpreter tree itself; it stays visible.")
                 continue
             self.masks.append((mask, tuple(e for e in exposed if e.startswith(mask + "/"))))
+        # A symlink on the interpreter's path (a venv at /tmp/x/.venv -> /tmp/y/.venv, bin/python -> python3)
+        # that lies in a replaced directory, outside the trees bound back, is recreated in each run.
+        replaced = ["/tmp", *(m for m, _ in self.masks)]
+        self.links = tuple(sorted(
+            (link, target) for link, target in links.items()
+            if any(link.startswith(r + "/") for r in replaced)
+            and not any(link.startswith(e + "/") for e in exposed)))
 
     def _choose_protections(self) -> None:
         """Probe protection sets, strongest first, with a real interpreter start; keep the first that works."""
@@ -143,7 +154,7 @@ class Zygote:
                 release = tuple(int(x) for x in os.uname().release.split(".")[:2] if x.isdigit())
                 self.plan = runinit.RunPlan(self.pid, self.cfg["uid_base"], tuple(self.masks),
                                             not self.is_root and any(prot.values()) and release >= (5, 14),
-                                            self.tmp_exposed)
+                                            self.tmp_exposed, self.links)
                 error = self._probe(prot)
                 if error is None:
                     self.prot = prot
@@ -151,6 +162,7 @@ class Zygote:
                         self.problems.append(f"full isolation failed to start ({first_error}); using {prot}.")
                     return
                 first_error = first_error or error
+        self.problems.append(f"no protection set could start the interpreter ({first_error})")
 
     def _probe(self, prot: dict[str, bool]) -> str | None:
         staging = tempfile.mkdtemp(prefix="verl_mas_sbx_probe_")
@@ -160,7 +172,7 @@ class Zygote:
         run = {"id": -1, "slot": 0, "staging": staging, "env": {"PATH": "/usr/bin:/bin"},
                "argv": [self.cfg["python"], *self.cfg["python_flags"], "-c", "pass"],
                "limits": {"cpu_s": 30, "as_bytes": 1 << 30, "fsize_bytes": 1 << 20, "nproc": 16, "nofile": 64},
-               "disk_bytes": 1 << 20}
+               "disk_bytes": 1 << 20, "budget_s": 30.0, "backstop_s": 120.0}
         try:
             rec = self._spawn(run, fds, prot)
         except OSError as exc:
@@ -358,8 +370,30 @@ class Zygote:
         return _Run(run["id"], pid, mode, run["slot"], rep_r, alive_w)
 
 
+def _resolve(path: str, links: dict[str, str], depth: int = 0) -> str:
+    """Real path of the absolute ``path`` (as ``os.path.realpath``), recording each symlink met on the way
+    (its path, with every directory above it resolved, and its target as written) in ``links``."""
+    if depth > 40:
+        raise OSError(f"too many levels of symbolic links resolving {path}")
+    cur = "/"
+    for part in path.split("/"):
+        if part in ("", "."):
+            continue
+        if part == "..":
+            cur = os.path.dirname(cur)
+            continue
+        nxt = os.path.join(cur, part)
+        if os.path.islink(nxt):
+            target = os.readlink(nxt)
+            links[nxt] = target
+            cur = _resolve(os.path.join(cur, target), links, depth + 1)
+        else:
+            cur = nxt
+    return cur
+
+
 def main() -> None:
-    """Entry point: ``python -I -S _zygote.py CONFIG_JSON`` with the control socket inherited."""
+    """Entry point: ``python -I -S -B _zygote.py CONFIG_JSON`` with the control socket inherited."""
     cfg = json.loads(sys.argv[1])
     linux.prctl(linux.PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != cfg["host_pid"]:

@@ -158,7 +158,7 @@ async def run_python(code: str, stdin: str | bytes = "", *, timeout_s: float | N
     Args:
         code: Program source (run as ``main.py`` with ``python -I``).
         stdin: Standard input; reading past it gives EOF.
-        timeout_s: Wall-clock limit (default ``mas.sandbox.timeout_s``).
+        timeout_s: Time budget, the program's own time (default ``mas.sandbox.timeout_s``).
         memory_mb: Address-space limit (default ``mas.sandbox.memory_mb``).
         files: Extra files next to the program, by relative path.
         config: Use this config's sandbox instead of the default one.

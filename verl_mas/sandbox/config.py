@@ -13,8 +13,9 @@ from typing import Any
 __all__ = ["ISOLATION_MODES", "SandboxConfig"]
 
 ISOLATION_MODES = ("auto", "none")
-"""``auto``: every protection the machine allows (namespaces, unprivileged uid); ``none``: resource limits,
-scrubbed environment and process-group kill only (for debugging; logged loudly)."""
+"""``auto``: every protection (namespaces, unprivileged uid), and the sandbox refuses to run when the machine
+allows less (unless ``require_isolation: false``); ``none``: resource limits, scrubbed environment and
+process-group kill only (an explicit opt-out for debugging; logged loudly)."""
 
 # The per-process uid block is `uid_base + (pid % _PID_SPAN) * MAX_POOL_SIZE + slot`; these bounds keep it
 # below 2**31 so no tool that treats uids as signed ints misbehaves.
@@ -44,9 +45,16 @@ class SandboxConfig:
     pool_size: int = field(default_factory=_default_pool_size)
     """Runs executing at once per process; further submissions wait (back-pressure). Default: CPU count."""
     timeout_s: float = 10.0
-    """Wall-clock limit of one run; the whole run (all its processes) is killed when it is exceeded."""
+    """Time budget of one run, in seconds of the program's own time: ``max(wall - run-queue wait of the main
+    process, CPU of all its processes)`` from the program's start, so machine load and namespace setup are not
+    charged (docs/sandbox.md, "Time limits"). Exceeding it kills the run: ``timed_out``, the model's fault."""
+    backstop_factor: float = 3.0
+    """Wall-clock backstop of a run: ``backstop_factor * timeout_s`` from the program's start. A run that reaches
+    it with its budget unused was starved by the machine: `SandboxError` (an infrastructure failure, never a
+    reward), unless the program lowered its own scheduling priority (then it is a timeout)."""
     cpu_s: int | None = None
-    """CPU-seconds limit per process (RLIMIT_CPU); ``None`` means ``ceil(timeout_s) + 1`` (a backstop)."""
+    """CPU-seconds limit per process (RLIMIT_CPU), a kernel-enforced backstop under ``timeout_s``; ``None`` means
+    ``ceil(timeout_s) + 1`` of each run."""
     memory_mb: int = 1024
     """Address-space limit per process (RLIMIT_AS); allocations beyond it raise ``MemoryError``."""
     max_output_bytes: int = 1 << 20
@@ -65,8 +73,9 @@ class SandboxConfig:
     """Interpreter flags; must isolate from the environment: ``-I``, or both ``-E`` and ``-s``."""
     isolation: str = "auto"
     """``auto`` or ``none`` (see ``ISOLATION_MODES``)."""
-    require_isolation: bool = False
-    """Raise ``SandboxError`` instead of warning when a protection is unavailable on this machine."""
+    require_isolation: bool | None = None
+    """Refuse to run (``SandboxError``) when a protection is unavailable. ``None`` (default): required unless
+    ``isolation`` is ``none``, i.e. fail closed; ``false``: run with what the machine allows and log a WARNING."""
     hidden_paths: tuple[str, ...] = ("/root", "/home", "/run")
     """Directories replaced by an empty read-only tmpfs inside the sandbox (the interpreter stays visible)."""
     uid_base: int | None = None
@@ -105,9 +114,22 @@ class SandboxConfig:
                 data[key] = tuple(data[key])
         return cls(**data)
 
-    def resolved_cpu_s(self) -> int:
-        """CPU-seconds limit actually applied (``cpu_s`` or ``ceil(timeout_s) + 1``)."""
-        return self.cpu_s if self.cpu_s is not None else math.ceil(self.timeout_s) + 1
+    def resolved_cpu_s(self, timeout_s: float | None = None) -> int:
+        """RLIMIT_CPU applied to a run with budget ``timeout_s`` (default: the config's): ``cpu_s`` or
+        ``ceil(timeout_s) + 1``."""
+        if self.cpu_s is not None:
+            return self.cpu_s
+        return math.ceil(self.timeout_s if timeout_s is None else timeout_s) + 1
+
+    def backstop_s(self, timeout_s: float | None = None) -> float:
+        """Wall-clock backstop of a run with budget ``timeout_s`` (default: the config's)."""
+        return self.backstop_factor * (self.timeout_s if timeout_s is None else timeout_s)
+
+    def requires_isolation(self) -> bool:
+        """Whether a missing protection stops the sandbox (``require_isolation``, resolved)."""
+        if self.require_isolation is None:
+            return self.isolation != "none"
+        return self.require_isolation
 
     def resolved_uid_base(self) -> int:
         """First uid of this process's block: one uid per pool slot, distinct between live processes."""
@@ -131,6 +153,10 @@ class SandboxConfig:
             p.append(f"mas.sandbox.pool_size is {self.pool_size}, above {MAX_POOL_SIZE}: each slot owns one uid "
                      f"of a {MAX_POOL_SIZE}-uid block. Lower it (the default is the CPU count).")
         positive("timeout_s", self.timeout_s, (int, float))
+        factor = self.backstop_factor
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 1:
+            p.append(f"mas.sandbox.backstop_factor is {factor!r}; it must be a number > 1 (the wall-clock "
+                     "backstop is backstop_factor * timeout_s, and a program needs at least its budget). Use 3.")
         if self.cpu_s is not None:
             positive("cpu_s", self.cpu_s)
         for name in ("memory_mb", "max_output_bytes", "max_procs", "max_open_files", "max_file_mb", "disk_mb"):
@@ -143,7 +169,10 @@ class SandboxConfig:
                      "start. Use at least 16.")
         if self.isolation not in ISOLATION_MODES:
             p.append(f"mas.sandbox.isolation is {self.isolation!r}, not one of {ISOLATION_MODES}. Use 'auto'.")
-        if self.isolation == "none" and self.require_isolation:
+        if self.require_isolation is not None and not isinstance(self.require_isolation, bool):
+            p.append(f"mas.sandbox.require_isolation is {self.require_isolation!r}; it must be true, false or "
+                     "unset (unset: required unless isolation is 'none').")
+        elif self.isolation == "none" and self.require_isolation:
             p.append("mas.sandbox.isolation is 'none' while require_isolation is true; the two contradict. "
                      "Set isolation: auto, or require_isolation: false.")
         if not isinstance(self.python_flags, tuple) or not all(isinstance(f, str) for f in self.python_flags):

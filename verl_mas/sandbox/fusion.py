@@ -29,6 +29,8 @@ class SandboxFusionBackend:
     """Sends each run to SandboxFusion's ``/run_code`` endpoint (``mas.sandbox.url``).
 
     Isolation is the service's: `ExecResult.isolation` is empty because nothing is verified from here.
+    Time limits are the service's too: its ``TimeLimitExceeded`` is reported as a timeout (it cannot tell
+    machine load from the program's own time, unlike the local backend).
     Concurrency is bounded by ``config.pool_size`` requests in flight.
 
     Args:

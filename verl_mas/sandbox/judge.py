@@ -65,7 +65,7 @@ class TestResult:
     passed: bool
     verdict: str
     """One of ``VERDICTS``: ``passed``, ``wrong_output`` (clean exit, wrong stdout), ``runtime_error`` (non-zero
-    exit), ``timeout`` (wall clock), ``killed`` (another limit: memory, CPU, output size, signal)."""
+    exit), ``timeout`` (its time budget), ``killed`` (another limit: memory, CPU, output size, signal)."""
     exec: ExecResult
 
     @property
@@ -126,7 +126,7 @@ async def run_tests(code: str, tests: Sequence[TestCase | tuple[str, str]], *, c
         code: Program source.
         tests: `TestCase` or ``(input, expected_output)`` pairs; at least one.
         compare: Output comparison, one of ``COMPARE_MODES``.
-        timeout_s: Per-test wall-clock limit (default: the sandbox's).
+        timeout_s: Per-test time budget (default: the sandbox's; see ``SandboxConfig.timeout_s``).
         memory_mb: Per-test address-space limit (default: the sandbox's).
         files: Extra files for every run.
         sandbox: Backend to use (default: `get_sandbox()`).
@@ -136,7 +136,7 @@ async def run_tests(code: str, tests: Sequence[TestCase | tuple[str, str]], *, c
 
     Raises:
         ValueError: No tests, a malformed test, or an unknown ``compare`` mode.
-        SandboxError: The sandbox itself failed.
+        SandboxError: The sandbox itself failed, or machine load starved a run.
     """
     if compare not in COMPARE_MODES:
         raise ValueError(f"compare is {compare!r}, not one of {COMPARE_MODES}; pick one of those.")
@@ -189,7 +189,7 @@ async def check_compiles(code: str, *, timeout_s: float | None = None,
 
     Args:
         code: Program source.
-        timeout_s: Wall-clock limit of the check (default: the sandbox's).
+        timeout_s: Time budget of the check (default: the sandbox's).
         sandbox: Backend to use (default: `get_sandbox()`).
 
     Returns:

@@ -33,6 +33,9 @@ _ZYGOTE = Path(__file__).with_name("_zygote.py")
 _MAIN = MAIN_FILE
 _START_TIMEOUT_S = 120.0  # zygote start: one interpreter probe per protection set tried
 _KILL_GRACE_S = 10.0  # after a kill request, how long the namespace may take to die before we call it lost
+# Host-side limit of a run: its wall-clock backstop (kept inside the run, from the program's start) plus this
+# much for staging and namespace setup. Reached only when the run's init itself cannot keep up (or is stuck).
+_SETUP_GRACE_S = 30.0
 _EOF_GRACE_S = 2.0  # after the exit report, how long to wait for the pipes to drain
 _INLINE_STAGING_BYTES = 1 << 20  # larger inputs are written from a worker thread
 _ENV = {
@@ -135,8 +138,8 @@ class LocalSandbox:
         """Start the fork server now (otherwise the first run does) and report missing protections.
 
         Raises:
-            SandboxError: The fork server could not start, or a protection is missing while
-                ``require_isolation`` is set.
+            SandboxError: The fork server could not start, or a protection is missing and
+                ``require_isolation`` is not false (the default refuses: fail closed).
         """
         self._bind_loop()
         if self._alive():
@@ -154,7 +157,8 @@ class LocalSandbox:
         Args:
             code: Program source.
             stdin: Data on standard input (``str`` is UTF-8 encoded); reading past it gives EOF.
-            timeout_s: Wall-clock limit; defaults to ``config.timeout_s``.
+            timeout_s: Time budget (the program's own time, see ``SandboxConfig.timeout_s``); defaults to
+                ``config.timeout_s``. The wall-clock backstop is ``config.backstop_factor`` times it.
             memory_mb: Address-space limit; defaults to ``config.memory_mb``.
             files: Extra files placed next to ``main.py`` (relative paths; ``str`` is UTF-8 encoded).
 
@@ -164,7 +168,8 @@ class LocalSandbox:
 
         Raises:
             ValueError: Bad arguments (e.g. an absolute path in ``files``).
-            SandboxError: The sandbox itself failed (fork server gone, run setup failed).
+            SandboxError: The sandbox itself failed (fork server gone, run setup failed), or machine load
+                starved the run (wall-clock backstop reached with its budget unused).
         """
         timeout = self.config.timeout_s if timeout_s is None else timeout_s
         memory = self.config.memory_mb if memory_mb is None else memory_mb
@@ -178,20 +183,26 @@ class LocalSandbox:
         deferred = False
         try:
             t0 = time.monotonic()
-            await self._submit(run, payload, memory)
+            await self._submit(run, payload, memory, timeout)
+            limit = self.config.backstop_s(timeout) + _SETUP_GRACE_S
             try:
-                msg = await asyncio.wait_for(asyncio.shield(run.done), timeout)
+                msg = await asyncio.wait_for(asyncio.shield(run.done), limit)
             except TimeoutError:
-                run.reason = run.reason or "timeout"
                 self._kill(run)
-                msg = await self._await_exit(run)
+                await self._await_exit(run)
+                raise SandboxError(
+                    f"Sandbox run {run.id} did not end within {limit:.0f}s of wall clock (its backstop "
+                    f"{self.config.backstop_s(timeout):g}s + {_SETUP_GRACE_S:g}s for setup), so the run's own "
+                    "supervisor could not keep up: the machine is overloaded or the sandbox is stuck, which says "
+                    "nothing about the program. Reduce the machine's load (mas.sandbox.pool_size) and check the "
+                    "fork server's log.") from None
             wall = time.monotonic() - t0
             try:
                 await asyncio.wait_for(asyncio.shield(run.eof), _EOF_GRACE_S)
             except TimeoutError:
                 logger.warning("Sandbox run %d: output pipes still open %.1fs after exit; closing them.",
                                run.id, _EOF_GRACE_S)
-            return self._result(run, msg, wall)
+            return self._result(run, msg, wall, timeout)
         except asyncio.CancelledError:
             if run.submitted and not run.done.done():  # keep the slot (its uid) until the run is dead
                 self._kill(run)
@@ -253,7 +264,8 @@ class LocalSandbox:
         try:
             # Popen (vfork) rather than an asyncio subprocess: the zygote must outlive any one event loop.
             self._proc = subprocess.Popen(
-                [sys.executable, "-I", "-S", str(_ZYGOTE), json.dumps(zcfg)], pass_fds=[child.fileno()],
+                # -B: -I ignores PYTHONDONTWRITEBYTECODE, and the helper modules live in the installed package.
+                [sys.executable, "-I", "-S", "-B", str(_ZYGOTE), json.dumps(zcfg)], pass_fds=[child.fileno()],
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=errlog,
                 env={"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"})
         except OSError as exc:
@@ -281,15 +293,18 @@ class LocalSandbox:
             return
         what = (f"Sandbox protections UNAVAILABLE on this machine: {', '.join(missing)}. Why: "
                 f"{' | '.join(p.rstrip('.') for p in hello['problems']) or 'unknown'}.")
-        fix = ("Run as root on Linux with namespaces allowed (see docs/sandbox.md), or set "
-               "mas.sandbox.require_isolation: true to refuse to run without them.")
-        if cfg.require_isolation:
+        if cfg.requires_isolation():
             self._teardown("isolation required")
-            raise SandboxError(f"{what} mas.sandbox.require_isolation is true, so nothing runs. Run as root on "
-                               "Linux with namespaces allowed (see docs/sandbox.md), or set it to false.")
+            raise SandboxError(
+                f"{what} The sandbox refuses to run model-written code without them (it could write host files "
+                "and read what this user can). Fix the cause above (run as root on Linux with user, mount, PID "
+                "and network namespaces allowed; an interpreter every uid can reach; see docs/sandbox.md), or "
+                "accept less isolation explicitly: mas.sandbox.require_isolation: false (use what this machine "
+                "allows) or mas.sandbox.isolation: none (no namespaces; debugging only).")
         if (missing, tuple(hello["problems"])) not in _warned:
             _warned.add((missing, tuple(hello["problems"])))
-            logger.warning("%s Model-written code runs with less isolation. %s", what, fix)
+            logger.warning("%s Model-written code runs with less isolation, as configured (require_isolation: "
+                           "false or isolation: none). Remove that setting to refuse instead.", what)
 
     def _zygote_stderr(self) -> str:
         if self._errlog is None:
@@ -355,7 +370,8 @@ class LocalSandbox:
                 run.done.set_result(msg)
 
     # ------------------------------------------------------------------ one run
-    async def _submit(self, run: _Run, payload: tuple[bytes, bytes, dict[str, bytes]], memory_mb: int) -> None:
+    async def _submit(self, run: _Run, payload: tuple[bytes, bytes, dict[str, bytes]], memory_mb: int,
+                      timeout_s: float) -> None:
         code, stdin, files = payload
         cfg = self.config
         try:
@@ -381,11 +397,11 @@ class LocalSandbox:
                 send_fds.append(w)
             for stream, fd in run.fds.items():
                 self._bound_loop().add_reader(fd, self._on_output, run, stream)
-            limits = {"cpu_s": cfg.resolved_cpu_s(), "as_bytes": memory_mb << 20,
+            limits = {"cpu_s": cfg.resolved_cpu_s(timeout_s), "as_bytes": memory_mb << 20,
                       "fsize_bytes": cfg.max_file_mb << 20, "nproc": cfg.max_procs, "nofile": cfg.max_open_files}
             msg = {"op": "run", "id": run.id, "slot": run.slot, "staging": run.staging, "env": _ENV,
                    "argv": [cfg.python, *cfg.python_flags, _MAIN], "limits": limits,
-                   "disk_bytes": cfg.disk_mb << 20}
+                   "disk_bytes": cfg.disk_mb << 20, "budget_s": timeout_s, "backstop_s": cfg.backstop_s(timeout_s)}
             await self._send(msg, send_fds)
             run.submitted = True
         finally:
@@ -484,9 +500,16 @@ class LocalSandbox:
         if self._sem is not None:
             self._sem.release()
 
-    def _result(self, run: _Run, msg: dict, wall: float) -> ExecResult:
+    def _result(self, run: _Run, msg: dict, wall: float, timeout_s: float) -> ExecResult:
         if msg.get("error"):
             raise SandboxError(f"The sandbox failed to run the program (not the program's fault): {msg['error']}")
+        if msg.get("verdict") == "starved":
+            raise SandboxError(
+                f"Sandbox run {run.id} starved by machine load, not the program's fault: after {msg['wall_s']:.1f}s "
+                f"of wall clock (the backstop, mas.sandbox.backstop_factor {self.config.backstop_factor:g} x "
+                f"timeout_s {timeout_s:g}s) it had been charged only {msg['program_s']:.2f}s of its {timeout_s:g}s "
+                f"budget, and its main process had waited {msg['wait_s']:.1f}s for a CPU. Lower the machine's "
+                "load (mas.sandbox.pool_size, other jobs) or raise mas.sandbox.backstop_factor.")
         status = msg.get("status")
         if status is None:  # killed on our request before B could report
             exit_code = -signal.SIGKILL
@@ -497,10 +520,13 @@ class LocalSandbox:
         cpu = msg.get("cpu_s")
         stdout = run.out["stdout"].decode("utf-8", errors="replace")
         stderr = run.out["stderr"].decode("utf-8", errors="replace")
-        reason = run.reason or infer_killed_reason(exit_code, cpu, self.config.resolved_cpu_s(), stderr)
-        return ExecResult(stdout=stdout, stderr=stderr, exit_code=exit_code, timed_out=run.reason == "timeout",
-                          killed_reason=reason, wall_s=wall, cpu_s=cpu, stdout_truncated=run.truncated["stdout"],
-                          stderr_truncated=run.truncated["stderr"], isolation=self.protections)
+        timed_out = run.reason is None and msg.get("verdict") == "timeout"
+        reason = run.reason or ("timeout" if timed_out else None) or infer_killed_reason(
+            exit_code, cpu, self.config.resolved_cpu_s(timeout_s), stderr)
+        return ExecResult(stdout=stdout, stderr=stderr, exit_code=exit_code, timed_out=timed_out,
+                          killed_reason=reason, wall_s=wall, cpu_s=cpu, program_s=msg.get("program_s"),
+                          stdout_truncated=run.truncated["stdout"], stderr_truncated=run.truncated["stderr"],
+                          isolation=self.protections)
 
 
 def _remove_tree(path: str) -> None:

@@ -22,13 +22,14 @@ PROTECTIONS = ("network", "pid_namespace", "filesystem", "unprivileged_uid")
   file permissions apply and ``max_procs`` (RLIMIT_NPROC) is enforced.
 
 Resource limits (CPU, address space, file size, open files), the scrubbed environment, ``-I`` and the
-wall-clock kill apply in every mode and are not listed.
+time budget apply in every mode and are not listed.
 """
 
 KILLED_REASONS = ("timeout", "output_limit", "cpu", "memory", "file_size")
 """Values of `ExecResult.killed_reason`, besides ``None`` (ran to completion) and ``signal:<n>``:
 
-- ``timeout``: wall clock exceeded ``timeout_s``; the sandbox killed the whole run (``timed_out`` is true).
+- ``timeout``: the program's own time exceeded ``timeout_s`` (see `ExecResult.program_s`); the sandbox killed
+  the whole run (``timed_out`` is true). A run starved by machine load raises `SandboxError` instead.
 - ``output_limit``: stdout or stderr exceeded ``max_output_bytes``; the sandbox killed the run.
 - ``cpu``: the process exhausted its CPU-seconds limit (RLIMIT_CPU) and the kernel killed it.
 - ``memory``: an allocation hit the address-space limit (the program died of ``MemoryError``).
@@ -40,7 +41,8 @@ KILLED_REASONS = ("timeout", "output_limit", "cpu", "memory", "file_size")
 class SandboxError(InfraError):
     """The sandbox itself failed (could not start, lost a run); never raised for the model's own mistakes.
 
-    Syntax errors, exceptions, wrong output and timeouts of the model's code are `ExecResult` values.
+    Syntax errors, exceptions, wrong output and timeouts of the model's code are `ExecResult` values; a run
+    that machine load kept from using its time budget (the wall-clock backstop) raises this.
     An infrastructure failure: raised inside a workflow it aborts the episode, whose unrewarded
     candidates are never trained on (the groups completed before it stay trainable).
     """
@@ -57,7 +59,7 @@ class ExecResult:
     exit_code: int | None
     """Exit status; negative ``-n`` when killed by signal n (as ``subprocess``); ``None`` if unknown (remote)."""
     timed_out: bool
-    """True when the wall-clock limit killed the run."""
+    """True when the program used up its time budget (``timeout_s``) and was killed: the model's fault."""
     killed_reason: str | None
     """Why the run was cut short (see ``KILLED_REASONS``), ``None`` when it ended on its own."""
     wall_s: float
@@ -65,6 +67,9 @@ class ExecResult:
     cpu_s: float | None = None
     """User + system CPU seconds of the program (and the children it waited for); ``None`` when unknown
     (the run was killed before it could be measured, or the backend does not say)."""
+    program_s: float | None = None
+    """Time charged against ``timeout_s``: ``max(wall - run-queue wait of the main process, CPU of all the
+    run's processes)`` from the program's start; ``None`` when unknown (killed by the host, or remote)."""
     stdout_truncated: bool = False
     """True when stdout hit ``max_output_bytes`` (the rest was discarded)."""
     stderr_truncated: bool = False

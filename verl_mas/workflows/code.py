@@ -27,7 +27,9 @@ Rewards (paper, §3 of docs/design; per candidate, immediate; ``reward = alpha *
 The episode terminates when the committed program passes every committed generated test; success
 (``mas/success``) is a golden pass rate of 1 for the last committed program. Unparsable replies get
 the floor reward and ``parse_failed``. Programs run in :mod:`verl_mas.sandbox` (awaited, never on the
-event loop); a :class:`~verl_mas.sandbox.SandboxError` is an infrastructure failure and propagates.
+event loop). A timeout (the program used its own time budget) is the model's: verdict ``timeout``, scored
+like any failed test. A :class:`~verl_mas.sandbox.SandboxError` (the sandbox failed, or machine load starved
+a run) is an infrastructure failure and propagates.
 """
 
 from __future__ import annotations
