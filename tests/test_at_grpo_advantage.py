@@ -127,3 +127,91 @@ def test_matches_verls_grpo_on_plain_groups() -> None:
     ours, _ = compute_at_grpo_outcome_advantage(rewards, mask, index=index, config=None)
     theirs, _ = compute_grpo_vectorized_outcome_advantage(rewards, mask, index=index)
     assert torch.allclose(ours, theirs, atol=1e-5)
+
+
+def test_trajectory_grpo_normalises_over_episodes_not_rows() -> None:
+    # Task t, two episodes: a 2-row success (outcome 1) and an 8-row failure (outcome 0). Over episodes:
+    # mean 0.5, unbiased std sqrt((0.25 + 0.25) / 1) = 0.7071 -> +0.5/0.7071 = +0.7071 on each row of the
+    # success, -0.7071 on each row of the failure. Over rows (the old behaviour): mean 0.2, std 0.4216
+    # -> +1.897 / -0.474, so the long failed episode would weigh four times as much as the short success.
+    rewards, mask = _rewards_on_last_token([1.0] * 2 + [0.0] * 8, [1] * 10, width=1)
+    index = np.array([group_key("t", "r", 0, "trajectory", episode="0")] * 2
+                     + [group_key("t", "r", 0, "trajectory", episode="1")] * 8, dtype=object)
+    assert index[0] == "t#0"
+    adv, _ = compute_at_grpo_outcome_advantage(rewards, mask, index=index, config=None)
+    h = 0.5 / (math.sqrt(0.5) + 1e-6)
+    assert adv[:, 0].tolist() == pytest.approx([h] * 2 + [-h] * 8, rel=1e-6)
+    rows, _ = compute_at_grpo_outcome_advantage(rewards, mask, index=np.array(["t"] * 10, dtype=object), config=None)
+    assert rows[0, 0].item() == pytest.approx(1.897, abs=1e-3) and rows[2, 0].item() == pytest.approx(-0.474, abs=1e-3)
+    # One episode alone in its task is a singleton group: zero advantage (no baseline), "raw" on request.
+    single = np.array(["u#0"] * 3, dtype=object)
+    r3, m3 = _rewards_on_last_token([1.0] * 3, [1] * 3, width=1)
+    assert compute_at_grpo_outcome_advantage(r3, m3, index=single, config=None)[0].abs().sum() == 0
+    raw, _ = compute_at_grpo_outcome_advantage(r3, m3, index=single, config={"at_grpo_singleton": "raw"})
+    assert raw[:, 0].tolist() == [1.0, 1.0, 1.0]
+
+
+def _fields(rows: list[tuple[str, str, str, int, int]]) -> dict:
+    """rows of (task, episode, role, turn, prompt hash) -> keyword arguments of group_invariant_problems."""
+    return {"task_uids": [r[0] for r in rows], "episodes": [r[1] for r in rows], "roles": [r[2] for r in rows],
+            "turns": [r[3] for r in rows], "prompt_hashes": [r[4] for r in rows]}
+
+
+def test_each_grouping_checks_what_it_implies_and_catches_broken_keys() -> None:
+    from verl_mas.advantage.groups import group_invariant_problems
+
+    # Tree sampling, one episode of task a: K=2 candidates per (role, turn) node, one prompt per node.
+    tree = [("a", "e0", "x", 0, 10), ("a", "e0", "x", 0, 10), ("a", "e0", "x", 1, 11), ("a", "e0", "x", 1, 11),
+            ("a", "e0", "y", 0, 12), ("a", "e0", "y", 0, 12)]
+    f = _fields(tree)
+    for grouping in ("agent_turn", "agent"):
+        keys = [group_key(u, r, t, grouping) for u, r, t in zip(f["task_uids"], f["roles"], f["turns"])]
+        ids = group_ids(keys, grouping="trajectory")
+        # agent groups span turns (two prompts in group a|x): valid, because each node has one prompt.
+        assert group_invariant_problems(ids, keys, grouping=grouping, sampling="tree", **f) == [], grouping
+    # Negative controls, each caught by the rows' own fields whatever the key says:
+    keys = [group_key(u, r, t) for u, r, t in zip(f["task_uids"], f["roles"], f["turns"])]
+    lumped = np.array([0, 0, 0, 0, 1, 1])  # index arithmetic putting turns 0 and 1 of role x together
+    (message,) = group_invariant_problems(lumped, keys, grouping="agent_turn", sampling="tree", **f)
+    assert "mix turns" in message and "[0, 0, 1, 1]" in message
+    roles_mixed = np.array([0, 0, 1, 1, 1, 1])  # role x turn 1 and role y turn 0 in one group
+    problems = group_invariant_problems(roles_mixed, keys, grouping="agent", sampling="tree", **f)
+    assert len(problems) == 1 and "mix roles" in problems[0]
+    bad_prompt = dict(f, prompt_hashes=[10, 99, 11, 11, 12, 12])  # a node whose candidates saw two prompts
+    ids = group_ids(keys, grouping="trajectory")
+    (message,) = group_invariant_problems(ids, keys, grouping="agent_turn", sampling="tree", **bad_prompt)
+    assert "prompt hash" in message and "[10, 99]" in message
+    assert group_invariant_problems(ids, keys, grouping="agent_turn", sampling="tree", check_prompts=False,
+                                    **bad_prompt) == []
+    two_tasks = dict(f, task_uids=["a", "b", "a", "a", "a", "a"])
+    assert any("mix tasks" in p for p in group_invariant_problems(
+        ids, keys, grouping="agent_turn", sampling="tree", **two_tasks))
+
+
+def test_parallel_and_trajectory_groups_check_their_definitions() -> None:
+    from verl_mas.advantage.groups import group_invariant_problems
+
+    # Parallel sampling: 3 independent episodes of task a, one candidate per node, prompts differ (each
+    # episode has its own history) -- the (task, role, turn) group of parallel + agent_turn holds one
+    # candidate of each episode.
+    par = [("a", f"e{e}", "x", t, 100 * e + t) for e in range(3) for t in range(2)]
+    f = _fields(par)
+    keys = [group_key(u, r, t) for u, r, t in zip(f["task_uids"], f["roles"], f["turns"])]
+    ids = group_ids(keys, grouping="trajectory")
+    assert np.bincount(ids).tolist() == [3, 3]
+    assert group_invariant_problems(ids, keys, grouping="agent_turn", sampling="parallel", **f) == []
+    # Negative control: an episode with two candidates at one node is not parallel sampling.
+    twice = _fields(par + [("a", "e0", "x", 0, 0)])
+    keys2 = keys + [group_key("a", "x", 0)]
+    (message,) = group_invariant_problems(group_ids(keys2, grouping="trajectory"), keys2, grouping="agent_turn",
+                                          sampling="parallel", **twice)
+    assert "hold several candidates" in message
+    # Trajectory: the group is the task, each episode a member of exactly one group.
+    tkeys = [group_key(u, r, t, "trajectory", episode=e) for u, e, r, t in
+             zip(f["task_uids"], f["episodes"], f["roles"], f["turns"])]
+    tids = group_ids([k.rpartition("#")[0] for k in tkeys], grouping="trajectory")
+    assert set(tids.tolist()) == {0}
+    assert group_invariant_problems(tids, tkeys, grouping="trajectory", sampling="parallel", **f) == []
+    split = np.array([0, 1, 0, 0, 0, 0])  # episode e0's two rows in two groups
+    assert any("lie in several groups" in p for p in group_invariant_problems(split, tkeys, grouping="trajectory",
+                                                                  sampling="parallel", **f))

@@ -24,11 +24,13 @@ class EngineServerClient:
     def __init__(self, engine: HFGenerationEngine) -> None:
         self.engine = engine
         self.calls = 0
+        self.requests: list[tuple[str, list[int], dict]] = []
 
     async def generate(self, request_id: str, *, prompt_ids: list[int], sampling_params: dict, **kwargs):
         from verl.workers.rollout.replica import TokenOutput
 
         self.calls += 1
+        self.requests.append((request_id, list(prompt_ids), dict(sampling_params)))
         settings = settings_from_verl(
             sampling_params, prompt_len=len(prompt_ids), response_length=6, prompt_length=512, max_model_len=600
         )
@@ -37,7 +39,8 @@ class EngineServerClient:
                            extra_fields={"global_steps": 3})
 
 
-def _make_loop(tiny_model_dir: Path, mas_block: dict):
+def _make_loop(tiny_model_dir: Path, mas_block: dict, *, rollout: dict | None = None, chat_kwargs: dict | None = None,
+               trainer_mode: str = "mas", client=None, tokenizer=None):
     from omegaconf import OmegaConf
     from transformers import AutoTokenizer
     from verl.experimental.agent_loop.agent_loop import DictConfigWrap
@@ -46,18 +49,18 @@ def _make_loop(tiny_model_dir: Path, mas_block: dict):
 
     config = OmegaConf.create(
         {
-            "actor_rollout_ref": {"rollout": {"response_length": 6, "prompt_length": 512}},
-            "data": {"apply_chat_template_kwargs": {}},
-            "trainer": {"v1": {"trainer_mode": "mas"}},
+            "actor_rollout_ref": {"rollout": {"response_length": 6, "prompt_length": 512, **(rollout or {})}},
+            "data": {"apply_chat_template_kwargs": dict(chat_kwargs or {})},
+            "trainer": {"v1": {"trainer_mode": trainer_mode}},
             "mas": mas_block,
         }
     )
     engine = HFGenerationEngine.from_pretrained(str(tiny_model_dir), seed=0)
-    client = EngineServerClient(engine)
+    client = EngineServerClient(engine) if client is None else client
     loop = MasAgentLoop(
         trainer_config=DictConfigWrap(config),
         server_manager=client,
-        tokenizer=AutoTokenizer.from_pretrained(tiny_model_dir),
+        tokenizer=AutoTokenizer.from_pretrained(tiny_model_dir) if tokenizer is None else tokenizer,
         processor=None,
         dataset_cls=None,
         data_config=DictConfigWrap(config.data),
@@ -166,3 +169,105 @@ def test_mas_config_validates_the_sandbox_block_with_the_rest() -> None:
         MasConfig(branching=0, sandbox={"timeout_s": 2, "bogus": 1})
     assert "mas.branching is 0" in str(err.value) and "unknown key(s) ['bogus']" in str(err.value)
     assert MasConfig(sandbox={"timeout_s": 2}).sandbox == {"timeout_s": 2}
+
+
+async def test_an_episode_that_outgrows_the_context_ends_as_a_failure(tiny_model_dir: Path) -> None:
+    # toy-walk prompts of this tokenizer (measured): planner 78 tokens at turn 0 and 135 at turn 1, mover 97.
+    # max_model_len 120 leaves room for prompts of at most 119 tokens: turn 0 runs, the planner's turn-1
+    # prompt does not fit, so the episode ends there, before any request for it.
+    loop, client, _ = _make_loop(tiny_model_dir, {"branching": 2, "max_turns": 2}, rollout={"max_model_len": 120})
+    outputs = await loop.run(dict(SAMPLING), **_row("taskO", {"start": 0, "goal": 5}))
+    assert client.calls == 4 and len(outputs) == 4  # 2 roles x K=2 at turn 0, nothing at turn 1
+    assert {(o.extra_fields["mas_role"], o.extra_fields["mas_turn"]) for o in outputs} == {("planner", 0), ("mover", 0)}
+    metrics = outputs[0].extra_fields["mas_episode_metrics"]
+    assert metrics["mas/context_overflow"] == 1.0 and metrics["mas/success"] == 0.0
+    assert metrics["mas/truncated"] == 1.0 and metrics["mas/aborted"] == 0.0
+    assert outputs[0].extra_fields["reward_extra_info"] == {"acc": 0.0}
+    # Control: with room for the turn-1 prompt the same episode plays both turns.
+    loop2, client2, _ = _make_loop(tiny_model_dir, {"branching": 2, "max_turns": 2}, rollout={"max_model_len": 137})
+    outputs2 = await loop2.run(dict(SAMPLING), **_row("taskO", {"start": 0, "goal": 5}))
+    assert client2.calls == 8 and outputs2[0].extra_fields["mas_episode_metrics"]["mas/context_overflow"] == 0.0
+
+
+class _RaisingClient:
+    """A verl server client whose server fails the way Ray reports it."""
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+        self.calls = 0
+
+    async def generate(self, request_id: str, **kwargs):
+        self.calls += 1
+        raise self.error
+
+
+async def test_a_server_that_rejects_a_request_stops_the_run_a_lost_one_aborts_the_episode(tiny_model_dir: Path) -> None:
+    import ray
+
+    from verl_mas.agent_loop import RolloutServerError
+    from verl_mas.errors import LLMClientError
+
+    rejected = ray.exceptions.RayTaskError(
+        function_name="generate", traceback_str="Traceback ...",
+        cause=ValueError("Prompt length (600) leaves no room to generate within the model's maximum context length"))
+    loop, _, _ = _make_loop(tiny_model_dir, {"branching": 2, "max_turns": 2}, client=_RaisingClient(rejected))
+    with pytest.raises(LLMClientError) as err:
+        await loop.run(dict(SAMPLING), **_row("taskE", {"start": 0, "goal": 5}))
+    assert isinstance(err.value.__cause__, RolloutServerError) and "leaves no room" in str(err.value)
+    # A lost replica (actor died) is an infrastructure failure: the episode aborts, nothing is trained on.
+    lost = ray.exceptions.ActorDiedError()
+    loop2, _, _ = _make_loop(tiny_model_dir, {"branching": 2, "max_turns": 2}, client=_RaisingClient(lost))
+    assert await loop2.run(dict(SAMPLING), **_row("taskE", {"start": 0, "goal": 5})) == []
+    # A server out of memory while serving is transient too.
+    oom = ray.exceptions.RayTaskError(function_name="generate", traceback_str="...", cause=torch.OutOfMemoryError("x"))
+    loop3, _, _ = _make_loop(tiny_model_dir, {"branching": 2, "max_turns": 2}, client=_RaisingClient(oom))
+    assert await loop3.run(dict(SAMPLING), **_row("taskE", {"start": 0, "goal": 5})) == []
+
+
+def test_the_agent_loop_refuses_to_run_under_another_trainer(tiny_model_dir: Path) -> None:
+    with pytest.raises(ValueError, match=r"trainer_mode='sync'.*Set trainer.v1.trainer_mode=mas"):
+        _make_loop(tiny_model_dir, {}, trainer_mode="sync")
+    # Under the mas trainer verl's config reads trainer_mode=sync plus the trainer's mark.
+    from omegaconf import OmegaConf
+
+    from verl_mas.config import MAS_TRAINER_MARK, mas_trainer_selected
+
+    assert mas_trainer_selected(OmegaConf.create({"trainer": {"v1": {"trainer_mode": "sync", MAS_TRAINER_MARK: True}}}))
+    assert not mas_trainer_selected(OmegaConf.create({"trainer": {"v1": {"trainer_mode": "sync"}}}))
+
+
+async def test_each_candidate_has_its_own_request_id_routed_by_its_session(tiny_model_dir: Path) -> None:
+    from verl_mas.policies import routing_key
+
+    loop, client, _ = _make_loop(tiny_model_dir, {"branching": 3, "max_turns": 2})
+    await loop.run(dict(SAMPLING), **_row("taskR", {"start": 0, "goal": 5}))
+    ids = [r[0] for r in client.requests]
+    assert len(ids) == 12 and len(set(ids)) == 12  # distinct per candidate (verl forwards them under full_determinism)
+    sessions = {routing_key(i) for i in ids}
+    # One routing key per (episode, role): every candidate and turn of a role reaches one server.
+    assert len(sessions) == 2 and all(s.startswith("taskR|") for s in sessions)
+    assert sorted(i for i in ids if "|planner|" in i)[:3] == [f"{routing_key(ids[0])}#0.{k}" for k in range(3)]
+
+
+async def test_chat_template_kwargs_reach_every_prompt_with_per_role_overrides(tiny_model_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    # A chat template that reacts to enable_thinking as Qwen3's does: an empty think block after the
+    # generation prompt when thinking is off.
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tokenizer.chat_template = tokenizer.chat_template + (
+        "{% if add_generation_prompt and enable_thinking is defined and not enable_thinking %}"
+        "<think>\n\n</think>\n\n{% endif %}")
+
+    async def prompts(chat_kwargs: dict, roles: dict) -> dict[str, str]:
+        loop, client, _ = _make_loop(tiny_model_dir, {"branching": 1, "max_turns": 1, "roles": roles},
+                                     chat_kwargs=chat_kwargs, tokenizer=tokenizer)
+        outputs = await loop.run(dict(SAMPLING), **_row("taskC", {"start": 0, "goal": 5}))
+        return {o.extra_fields["mas_role"]: tokenizer.decode(o.prompt_ids) for o in outputs}
+
+    off = await prompts({"enable_thinking": False}, {})
+    assert all(text.endswith("<think>\n\n</think>\n\n") for text in off.values())
+    plain = await prompts({}, {})  # control: without the kwarg the template adds nothing
+    assert not any("<think>" in text for text in plain.values())
+    mixed = await prompts({"enable_thinking": False}, {"mover": {"chat_template_kwargs": {"enable_thinking": True}}})
+    assert mixed["planner"].endswith("</think>\n\n") and "<think>" not in mixed["mover"]

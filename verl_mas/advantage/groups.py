@@ -228,5 +228,9 @@ def group_invariant_problems(
             )
     if grouping == "trajectory":
         member, _ = _codes([f"{u}{MEMBER_SEP}{e}" for u, e in zip(task_uids, episodes, strict=True)])
-        report(prompt_mismatches(member, ids.tolist(), limit=limit), "group id", ids.tolist(), by=member)
+        spread = prompt_mismatches(member, ids.tolist(), limit=limit)
+        if spread:
+            rows = [np.flatnonzero(member == m).tolist()[:8] for m in spread]
+            out.append(f"{len(spread)} episode(s) lie in several groups, but mas.grouping=trajectory gives each "
+                       f"episode one advantage in its task's group: rows {'; '.join(map(str, rows))}")
     return out
