@@ -25,6 +25,11 @@ def test_recipe_composes_with_paper_settings(name: str) -> None:
     assert cfg.data.train_batch_size == 128 and cfg.actor_rollout_ref.actor.ppo_mini_batch_size == 64
     assert cfg.actor_rollout_ref.rollout.name == "vllm" and cfg.trainer.n_gpus_per_node == 8
     assert cfg.actor_rollout_ref.rollout.temperature == 1.0  # on-policy sampling (trap 6)
+    # Qwen3 in non-thinking mode, as in the paper: verl's own key, which the mas agent loop renders prompts with.
+    assert cfg.data.apply_chat_template_kwargs == {"enable_thinking": False}
+    from verl_mas.config import check_run_config
+
+    check_run_config(cfg)  # the trainer's start-up checks pass (they raise listing every problem)
     assert cfg.actor_rollout_ref.model.path == "/models/Qwen3-1.7B"
     assert OmegaConf.select(cfg, "mas.sandbox.timeout_s") == 10
     # `???` merged over verl's defaults keeps the defaults, so run.sh must pass the model and data paths.

@@ -130,6 +130,11 @@ def test_recipe_composes_with_paper_settings(name: str) -> None:
     rollout = cfg.actor_rollout_ref.rollout
     assert rollout.name == "vllm" and rollout.n == 1 and rollout.calculate_log_probs and rollout.temperature == 1.0
     assert cfg.actor_rollout_ref.actor.use_dynamic_bsz
+    # Qwen3 in non-thinking mode, as in the paper: verl's own key, which the mas agent loop renders prompts with.
+    assert cfg.data.apply_chat_template_kwargs == {"enable_thinking": False}
+    from verl_mas.config import check_run_config
+
+    check_run_config(cfg)  # the trainer's start-up checks pass (they raise listing every problem)
     assert cfg.actor_rollout_ref.model.path == "/models/Qwen3-1.7B"
     # Negative control: the same block with a broken value is rejected by the validator.
     broken = {**OmegaConf.to_container(cfg.mas), "branching": 0}

@@ -204,3 +204,84 @@ async def test_each_role_reaches_its_policys_model(tmp_path: Path) -> None:
     with pytest.raises(KeyError, match="asked for policy 'nope'"):
         await router.generate("r", prompt_ids=[1], sampling_params=sampling, policy="nope")
     assert np.isfinite(got.numpy()).all()
+
+
+def _cpu_recipe(tmp_path: Path, *overrides: str):
+    """verl's full config as main_ppo composes it for the CPU recipe (relay-v0 data in tmp_path)."""
+    from hydra import compose, initialize_config_dir
+
+    from verl_mas.data import write_dataset
+
+    write_dataset("relay-v0", tmp_path, train=4, test=2, seed=0)
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "at_grpo_cpu"
+    with initialize_config_dir(config_dir=str(recipe), version_base=None):
+        return compose(config_name="at_grpo_cpu", overrides=[
+            "actor_rollout_ref.model.path=/models/tiny", f"data.train_files={tmp_path / 'train.parquet'}",
+            f"data.val_files={tmp_path / 'test.parquet'}", *overrides])
+
+
+def test_start_up_reports_every_problem_in_one_error(tmp_path: Path) -> None:
+    from verl_mas.config import check_run_config
+
+    # A bad route, an unused policy, a misspelled nested override, an unrouted role (relay-v0's runner),
+    # a NaN alpha and a rollout setting one process reads for all policies: one error names them all.
+    cfg = _cpu_recipe(tmp_path, "mas_policies=per_role_models", "~mas.roles.runner",
+                      "+mas.roles.judge.policy=nobody", "+mas.policies.spare={}",
+                      "+mas.policies.runner.actor.optim.lrr=1e-3", "mas.alpha=nan",
+                      "+mas.policies.runner.rollout.response_length=7")
+    with pytest.raises(MasConfigError) as err:
+        check_run_config(cfg)
+    message = str(err.value)
+    for expected in (
+        "mas.roles.judge.policy is 'nobody'",
+        "mas.policies ['runner', 'spare'] serve no role",  # runner's only role lost its route
+        "mas.policies.runner.actor.optim.lrr: actor_rollout_ref.actor.optim.lrr does not exist",
+        "workflow 'relay-v0' has roles ['runner'] that no policy serves",
+        "mas.alpha is nan",
+        "mas.policies.runner.rollout.response_length is 7 but the first policy's is 3",
+    ):
+        assert expected in message, (expected, message)
+    assert message.startswith("verl_mas cannot start: 6 problem(s)")
+    # Control: the shipped per-role recipe passes.
+    mas, configs = check_run_config(_cpu_recipe(tmp_path, "mas_policies=per_role_models"))
+    assert list(configs) == mas.policy_names == ["caller", "runner"]
+
+
+def test_several_trainable_policies_on_vllm_are_refused_at_start_up(tmp_path: Path) -> None:
+    from verl_mas.config import check_run_config
+
+    cfg = _cpu_recipe(tmp_path, "mas_policies=per_role_models", "actor_rollout_ref.rollout.name=vllm")
+    with pytest.raises(MasConfigError, match=r"several trainable policies \(\['caller', 'runner'\]\) with "
+                                             r"actor_rollout_ref.rollout.name='vllm'"):
+        check_run_config(cfg)
+    check_run_config(_cpu_recipe(tmp_path, "actor_rollout_ref.rollout.name=vllm"))  # one shared policy: fine
+
+
+def test_per_policy_settings_reach_the_policys_trainer_view_and_sampling(tmp_path: Path) -> None:
+    from omegaconf import OmegaConf
+
+    from verl_mas.agent_loop import MasAgentLoop
+    from verl_mas.config import check_run_config
+    from verl_mas.policies import PolicyStack
+    from verl_mas.trainer import MasTrainer
+
+    cfg = _cpu_recipe(tmp_path, "mas_policies=per_role_models", "+mas.policies.runner.actor.ppo_epochs=3",
+                      "+mas.policies.runner.actor.ppo_mini_batch_size=4", "+mas.policies.runner.rollout.temperature=0.5",
+                      "+mas.policies.runner.rollout.val_kwargs.temperature=0.25")
+    mas, configs = check_run_config(cfg)
+    # The trainer's per-policy view (what verl's _update_actor / _compute_old_log_prob read) carries the
+    # policy's own settings; the first policy keeps the recipe's.
+    trainer = MasTrainer.__new__(MasTrainer)
+    trainer.config, trainer.mas, trainer._policy_configs = cfg, mas, configs
+    runner = trainer._view(PolicyStack("runner", None, None, False, None, None))
+    caller = trainer._view(PolicyStack("caller", None, None, False, None, None))
+    assert (runner.config.actor_rollout_ref.actor.ppo_epochs, runner.config.actor_rollout_ref.actor.ppo_mini_batch_size,
+            runner.config.actor_rollout_ref.rollout.temperature) == (3, 4, 0.5)
+    assert (caller.config.actor_rollout_ref.actor.ppo_epochs, caller.config.actor_rollout_ref.actor.ppo_mini_batch_size,
+            caller.config.actor_rollout_ref.rollout.temperature) == (1, 8, 1.0)
+    # The agent loop samples each role at its policy's temperature (training) or val_kwargs (validation).
+    loop = MasAgentLoop.__new__(MasAgentLoop)
+    loop.config, loop.mas_config = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True)), mas
+    assert loop._policy_sampling(validate=False)["runner"]["temperature"] == 0.5
+    assert loop._policy_sampling(validate=False)["caller"]["temperature"] == 1.0
+    assert loop._policy_sampling(validate=True)["runner"]["temperature"] == 0.25

@@ -264,7 +264,8 @@ class MasConfig:
             return []
         out = []
         for workflow_id, roles in sorted(roles_by_workflow.items()):
-            missing = [r for r in roles if (self.roles.get(r) or {}).get("policy") is None]
+            missing = [r for r in roles
+                       if not isinstance(self.roles.get(r), Mapping) or self.roles[r].get("policy") is None]
             if missing:
                 out.append(
                     f"workflow {workflow_id!r} has roles {missing} that no policy serves: with several policies "
@@ -422,12 +423,12 @@ def check_run_config(config: Any) -> tuple[MasConfig, dict[str, Any]]:
             "(no signal). Use mas.sampling=parallel mas.branching=1 actor_rollout_ref.rollout.n=K."
         )
     configs: dict[str, Any] = {}
-    if not any(p.startswith("mas.policies") for p in problems):
+    if isinstance(mas.policies, Mapping) and mas.policies:
         configs, override_problems = policy_configs_and_problems(config.actor_rollout_ref, mas)
         problems.extend(override_problems)
-        if not override_problems:
+        if configs:
             problems.extend(_shared_rollout_problems(configs, mas))
-    if mas.multi_policy and not any(p.startswith("mas.roles") for p in problems):
+    if mas.multi_policy and isinstance(mas.roles, Mapping):
         problems.extend(mas.routing_problems(_roles_of_workflows(config, mas)))
     if problems:
         raise MasConfigError(

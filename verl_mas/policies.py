@@ -69,6 +69,8 @@ def policy_configs_and_problems(actor_rollout_ref: Any, mas: MasConfig) -> tuple
     problems: list[str] = []
     out: dict[str, Any] = {}
     for i, (name, overrides) in enumerate(mas.policies.items()):
+        if overrides is not None and not isinstance(overrides, Mapping):
+            continue  # reported by MasConfig.problems()
         overrides = {k: v for k, v in (overrides or {}).items() if k != POLICY_RESOURCES}
         problems.extend(_unknown_keys(base, overrides, name))
         merged = OmegaConf.merge(OmegaConf.create(copy.deepcopy(base)), OmegaConf.create(overrides))
