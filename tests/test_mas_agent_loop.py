@@ -16,6 +16,7 @@ import torch
 
 from verl_mas.backends.hf_rollout import HFGenerationEngine, settings_from_verl
 from verl_mas.config import MasConfig, MasConfigError
+from verl_mas.trainer import assign_groups
 
 
 class EngineServerClient:
@@ -271,3 +272,128 @@ async def test_chat_template_kwargs_reach_every_prompt_with_per_role_overrides(t
     assert not any("<think>" in text for text in plain.values())
     mixed = await prompts({"enable_thinking": False}, {"mover": {"chat_template_kwargs": {"enable_thinking": True}}})
     assert mixed["planner"].endswith("</think>\n\n") and "<think>" not in mixed["mover"]
+
+
+async def test_every_key_of_the_mas_block_has_an_effect(tiny_model_dir: Path) -> None:
+    """Each key of the mas: block set to a non-default value changes what the code does (a key that is
+    validated but never read would fail here; a new key must add its observation)."""
+    from dataclasses import fields
+
+    from omegaconf import OmegaConf
+    from transformers import AutoTokenizer
+
+    from verl_mas import run_episode, sandbox
+    from verl_mas.advantage.at_grpo import compute_at_grpo_outcome_advantage
+    from verl_mas.testing import ScriptedLLM
+    from verl_mas.trainer import GroupPromptMismatchError, prepare_verl_config, tune_replay_buffer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    walk = {"start": 0, "goal": 5}
+
+    async def loop_rows(block: dict, row: dict | None = None) -> list:
+        loop, _, _ = _make_loop(tiny_model_dir, {"max_turns": 2, **block})
+        return await loop.run(dict(SAMPLING), **(row or _row("tk", walk)))
+
+    async def episode(block: dict, llm=None, task=walk, seed=0):
+        mas = MasConfig.from_mapping({"max_turns": 2, **block})
+        return await run_episode("toy-walk-v0", task, client=llm or ScriptedLLM({"planner": "right", "mover": "right"},
+                                 tokenizer=tokenizer), tokenizer=tokenizer, config=mas.episode_config, seed=seed)
+
+    def groups_of(block: dict, rows: list, tamper: bool = False):
+        extras = [dict(o.extra_fields) for o in rows]
+        if tamper:
+            extras[0]["mas_prompt_hash"] += 1
+        return assign_groups(extras, ["tk"] * len(rows), np.zeros(len(rows), dtype=bool), MasConfig.from_mapping(block))
+
+    tree_rows = await loop_rows({"branching": 2})
+
+    async def branching() -> None:  # K candidates per (role, turn): 2 turns x 2 roles x K
+        assert len(await loop_rows({"branching": 3})) == 12 and len(tree_rows) == 8
+
+    async def max_turns() -> None:
+        assert {o.extra_fields["mas_turn"] for o in await loop_rows({"max_turns": 1})} == {0}
+
+    async def alpha() -> None:  # the mover reaches goal 1: team 1, local 0.75 -> reward alpha * 1 + 0.75
+        movers = [c for c in (await episode({"alpha": 0.5}, task={"start": 0, "goal": 1})).candidates
+                  if c.role == "mover"]
+        assert movers[0].team_reward == 1.0 and movers[0].reward == 0.5 + movers[0].local_reward
+
+    async def grouping() -> None:  # (task, role) instead of (task, role, turn): 2 groups instead of 4
+        assert len(set(groups_of({"grouping": "agent"}, tree_rows).ids)) == 2
+        assert len(set(groups_of({}, tree_rows).ids)) == 4
+
+    async def sampling() -> None:  # parallel sampling draws one candidate per node: a K=2 tree is refused
+        with pytest.raises(GroupPromptMismatchError, match="hold several candidates"):
+            groups_of({"sampling": "parallel", "branching": 1}, tree_rows)
+
+    async def tie_break() -> None:  # all candidates tie; "first" commits #0, "random" (seeded) varies
+        def committed(ep) -> set[int]:
+            return {c.index for c in ep.committed_branch}
+        assert committed(await episode({})) == {0}
+        picks = set().union(*[committed(await episode({"tie_break": "random"}, seed=s)) for s in range(4)])
+        assert picks != {0}
+
+    async def singleton_advantage() -> None:  # the trainer hands it to the at_grpo estimator
+        cfg = OmegaConf.create({"trainer": {"v1": {"trainer_mode": "mas"}}, "algorithm": {}})
+        mas = MasConfig(singleton_advantage="raw")
+        prepare_verl_config(cfg, mas, {})
+        rewards, mask = torch.tensor([[2.0]]), torch.ones(1, 1)
+        adv, _ = compute_at_grpo_outcome_advantage(rewards, mask, np.array(["u|r|0"], dtype=object), config=cfg.algorithm)
+        assert adv.item() == 2.0  # "zero" (default) would give 0
+        assert cfg.trainer.v1.trainer_mode == "sync" and cfg.trainer.v1.mas_trainer
+
+    async def check_group_prompts() -> None:  # a node whose candidates report two prompts: raise, or not
+        with pytest.raises(GroupPromptMismatchError, match="prompt hash"):
+            groups_of({"branching": 2}, tree_rows, tamper=True)
+        groups_of({"branching": 2, "check_group_prompts": False}, tree_rows, tamper=True)
+
+    async def workflow() -> None:  # rows that name no workflow use mas.workflow
+        row = _row("tk", walk)
+        del row["extra_info"]["workflow"]
+        with pytest.raises(ValueError, match="names no workflow"):
+            await loop_rows({}, row)
+        assert len(await loop_rows({"workflow": "toy-walk-v0", "branching": 1}, row)) == 4
+
+    async def roles_and_policies() -> None:  # each role's rows carry (and its requests reach) its policy
+        rows = await loop_rows({"branching": 1, "policies": {"p": {}, "m": {}},
+                                "roles": {"planner": {"policy": "p"}, "mover": {"policy": "m"}}})
+        assert {(o.extra_fields["mas_role"], o.extra_fields["mas_policy"]) for o in rows} == {
+            ("planner", "p"), ("mover", "m")}
+
+    async def sandbox_block() -> None:  # the agent loop configures the sandbox every workflow runs code in
+        try:
+            _make_loop(tiny_model_dir, {"sandbox": {"timeout_s": 3}})
+            assert sandbox.backend._as_config(None).timeout_s == 3
+        finally:
+            sandbox.configure(None)
+
+    async def val_branching() -> None:  # validation rows: K = val_branching
+        assert len(await loop_rows({"branching": 1, "val_branching": 3}, _row("tk", walk, split="test"))) == 12
+
+    async def request_timeout_s() -> None:  # a request slower than the timeout is an infrastructure failure
+        slow = ScriptedLLM({"planner": "right", "mover": "right"}, tokenizer=tokenizer, latency_s=0.5)
+        assert (await episode({"request_timeout_s": 0.05}, llm=slow)).aborted
+        assert not (await episode({}, llm=slow)).aborted
+
+    async def replay_poll_interval_s() -> None:
+        class Buffer:
+            poll_interval = 2.0
+            failure_keys: dict = {}
+
+            def _materialize_batch(self, *args):
+                return None
+
+        buffer = Buffer()
+        tune_replay_buffer(buffer, MasConfig(replay_poll_interval_s=0.05), {})
+        assert buffer.poll_interval == 0.05
+
+    observations = {
+        "branching": branching, "max_turns": max_turns, "alpha": alpha, "grouping": grouping, "sampling": sampling,
+        "tie_break": tie_break, "singleton_advantage": singleton_advantage, "check_group_prompts": check_group_prompts,
+        "workflow": workflow, "roles": roles_and_policies, "policies": roles_and_policies, "sandbox": sandbox_block,
+        "val_branching": val_branching, "request_timeout_s": request_timeout_s,
+        "replay_poll_interval_s": replay_poll_interval_s,
+    }
+    assert set(observations) == {f.name for f in fields(MasConfig)}
+    for observe in dict.fromkeys(observations.values()):
+        await observe()

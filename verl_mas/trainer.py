@@ -70,17 +70,7 @@ class MasTrainer(PPOTrainerSync):
     def __init__(self, config: Any) -> None:
         # Every start-up problem (mas: block, algorithm, policy overrides, routing) is reported in one error.
         self.mas, self._policy_configs = check_run_config(config)
-        primary = self.mas.policy_names[0]
-        with open_dict(config):
-            # verl compares trainer_mode with the literal "sync" in several places (replay buffer, batch
-            # sizes); this mode is synchronous, so it presents itself as "sync" to the base class, and marks
-            # the config so that the mas agent loop knows it runs under this trainer.
-            config.trainer.v1.trainer_mode = "sync"
-            config.trainer.v1[MAS_TRAINER_MARK] = True
-            # The at_grpo estimator reads its singleton policy from verl's algorithm config.
-            config.algorithm[SINGLETON_KEY] = self.mas.singleton_advantage
-            if self.mas.policies[primary]:  # the first policy runs in verl's own stack, with its overrides
-                config.actor_rollout_ref = self._policy_configs[primary]
+        prepare_verl_config(config, self.mas, self._policy_configs)
         self.stacks: dict[str, PolicyStack] = {}
         self._policy_keys: dict[str, list[str]] = {}
         self._resume_folder: str | None = None
@@ -427,6 +417,24 @@ class MasTrainer(PPOTrainerSync):
         expected = None if sampled is None else len(sampled.uids) * int(self.config.actor_rollout_ref.rollout.n)
         metrics.update(mas_metrics(extras, groups, padding, uids, episodes, expected_episodes=expected))
         return batch
+
+
+def prepare_verl_config(config: Any, mas: MasConfig, policy_configs: dict[str, Any]) -> None:
+    """What the ``mas`` trainer changes in verl's config before verl's trainer reads it (in place).
+
+    - ``trainer.v1.trainer_mode`` reads ``sync``: verl compares it with the literal "sync" in several places
+      (replay buffer, batch sizes) and this mode is synchronous; ``trainer.v1.mas_trainer`` marks the config
+      so that the ``mas`` agent loop knows it runs under this trainer;
+    - ``algorithm.at_grpo_singleton`` carries ``mas.singleton_advantage`` to the ``at_grpo`` estimator;
+    - ``actor_rollout_ref`` becomes the first policy's (the recipe's with its overrides).
+    """
+    primary = mas.policy_names[0]
+    with open_dict(config):
+        config.trainer.v1.trainer_mode = "sync"
+        config.trainer.v1[MAS_TRAINER_MARK] = True
+        config.algorithm[SINGLETON_KEY] = mas.singleton_advantage
+        if mas.policies[primary]:
+            config.actor_rollout_ref = policy_configs[primary]
 
 
 @dataclass(frozen=True)
