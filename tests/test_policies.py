@@ -285,3 +285,58 @@ def test_per_policy_settings_reach_the_policys_trainer_view_and_sampling(tmp_pat
     assert loop._policy_sampling(validate=False)["runner"]["temperature"] == 0.5
     assert loop._policy_sampling(validate=False)["caller"]["temperature"] == 1.0
     assert loop._policy_sampling(validate=True)["runner"]["temperature"] == 0.25
+
+
+@pytest.mark.slow
+def test_candidates_route_by_session_through_verls_load_balancer_with_ids_of_their_own() -> None:
+    """verl's real client and load balancer (Ray actors) under rollout.full_determinism, four servers."""
+    import asyncio
+
+    import ray
+    from verl.workers.rollout.llm_server import LLMServerClient
+    from verl.workers.rollout.router import GlobalRequestLoadBalancer
+
+    from verl_mas.policies import SessionRoutedClient, candidate_request_id, routing_key
+
+    @ray.remote
+    class Server:
+        def __init__(self, name: str) -> None:
+            self.name, self.ids = name, []
+
+        def generate(self, request_id: str, prompt_ids: list[int], sampling_params: dict, **kwargs):
+            from verl.workers.rollout.replica import TokenOutput
+
+            self.ids.append(request_id)
+            return TokenOutput(token_ids=[1], log_probs=[0.0], stop_reason="completed", extra_fields={"global_steps": 0})
+
+        def seen(self) -> tuple[str, list[str]]:
+            return self.name, self.ids
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        config = OmegaConf.create({"actor_rollout_ref": {"rollout": {"full_determinism": True, "name": "hf"}}})
+
+        def served(client_cls) -> dict[str, set[str]]:
+            servers = {f"s{i}": Server.remote(f"s{i}") for i in range(4)}
+            balancer = ray.remote(GlobalRequestLoadBalancer).remote(servers=servers, full_determinism=True)
+            client = client_cls(config=config, load_balancer_handle=balancer)
+            ids = [candidate_request_id(f"task{t}|role|7", turn, k) for t in range(2) for turn in range(3)
+                   for k in range(4)]
+
+            async def all_requests():
+                await asyncio.gather(*(client.generate(i, prompt_ids=[5], sampling_params={}) for i in ids))
+
+            asyncio.run(all_requests())
+            out: dict[str, set[str]] = {}
+            for name, got in ray.get([s.seen.remote() for s in servers.values()]):
+                for request_id in got:
+                    out.setdefault(routing_key(request_id), set()).add(name)
+            assert sorted(i for s in ray.get([s.seen.remote() for s in servers.values()]) for i in s[1]) == sorted(ids)
+            return out
+
+        # Every candidate and turn of a session reaches one server; each request reached it with its own id.
+        assert all(len(names) == 1 for names in served(SessionRoutedClient).values())
+        # Negative control: verl's stock client routes on the whole id, scattering one session's candidates.
+        assert any(len(names) > 1 for names in served(LLMServerClient).values())
+    finally:
+        ray.shutdown()
