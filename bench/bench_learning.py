@@ -5,8 +5,10 @@ number of steps, for several seeds, and the script prints the final team success
 at which success reached the threshold (``-`` if never):
 
 - ``at_grpo``: tree sampling (K candidates per (task, role, turn), best committed) + agent_turn groups;
-- ``traj_grpo``: K independent episodes per task (rollout.n=K), every sample scored with its episode's
-  team outcome, one group per task (classic GRPO);
+- ``traj_grpo``: K independent episodes per task (rollout.n=K), each episode's team outcome normalised
+  over the task's K episodes, one advantage per episode broadcast to its rows (classic GRPO; before the
+  fix of the review's item 8 the statistics were over rows, so long episodes weighed more: the
+  traj_grpo figures below were measured that way);
 - ``parallel``: K independent episodes per task with (task, role, turn) groups (the paper's ablation:
   after the first turn the K members of a group no longer share a prompt).
 
@@ -54,13 +56,16 @@ import tempfile
 import time
 from pathlib import Path
 
+from verl_mas.config import ABLATIONS
+
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "at_grpo_cpu" / "run.sh"
 
+# The definitions the docs and the main_ppo tests use (verl_mas.config.ABLATIONS, docs/training.md).
 CONFIGS: dict[str, list[str]] = {
-    "at_grpo": ["mas.sampling=tree", "mas.grouping=agent_turn", "mas.branching=4", "actor_rollout_ref.rollout.n=1"],
-    "traj_grpo": ["mas.sampling=parallel", "mas.grouping=trajectory", "mas.branching=1", "actor_rollout_ref.rollout.n=4"],
-    "parallel": ["mas.sampling=parallel", "mas.grouping=agent_turn", "mas.branching=1", "actor_rollout_ref.rollout.n=4"],
+    "at_grpo": list(ABLATIONS["at_grpo"]),
+    "traj_grpo": list(ABLATIONS["trajectory_grpo"]),
+    "parallel": list(ABLATIONS["parallel_sampling"]),
 }
 
 

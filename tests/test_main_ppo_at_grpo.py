@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from verl_mas.config import ABLATIONS
+
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "at_grpo_cpu" / "run.sh"
 STEPS = 3
@@ -64,3 +66,38 @@ def test_at_grpo_trains_a_two_role_workflow_through_main_ppo(tmp_path: Path) -> 
     assert max(m["data"]["critic/advantages/max"] for m in metrics) > 0
     assert min(m["data"]["critic/advantages/min"] for m in metrics) < 0
     assert max(m["data"]["actor/grad_norm"] for m in metrics) > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(set(ABLATIONS) - {"at_grpo"}))  # at_grpo: the test above
+def test_every_documented_ablation_runs_through_main_ppo(tmp_path: Path, name: str) -> None:
+    run_dir = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VERL_")}
+    env.update(PYTHON=sys.executable, VERL_MAS_RUN_DIR=str(run_dir), TRAIN_TASKS="16", TEST_TASKS="4")
+    tasks = 4
+    proc = subprocess.run(
+        ["bash", str(RECIPE), "trainer.total_training_steps=1", f"data.train_batch_size={tasks}",
+         "actor_rollout_ref.actor.ppo_mini_batch_size=4", *ABLATIONS[name]],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1500,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-5000:]
+    (m,) = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    d = m["data"]
+    print(f"[main-ppo-ablation] {name}: groups={d['mas/group/count']:.0f} size={d['mas/group/size_mean']:.2f} "
+          f"singletons={d['mas/group/singleton_frac']:.2f} zero_std={d['mas/group/zero_std_frac']:.2f} "
+          f"episodes={d['mas/episodes']:.0f} success={d['mas/success_rate']:.3f} "
+          f"rollout_probs_diff={d['training/rollout_probs_diff_mean']:.1e}")
+    assert d["training/rollout_probs_diff_mean"] < 1e-6 and d["mas/infra_failures"] == 0.0
+    if name == "role_only_groups":
+        # One group per (task, role) across turns: relay-v0 has 2 roles, so at most 2 x 4 groups, each
+        # holding K=4 candidates of every turn the role acted in.
+        assert d["mas/episodes"] == tasks and d["mas/group/count"] <= 2 * tasks
+        assert d["mas/group/size_mean"] >= 4.0 and d["mas/group/size_mean"] % 4 == 0
+    elif name == "trajectory_grpo":
+        # One group per task holding its 4 independent episodes (rows counted here; the estimator takes
+        # its statistics over the episodes).
+        assert d["mas/episodes"] == 4 * tasks and d["mas/group/count"] == tasks
+        assert d["mas/group/singleton_frac"] == 0.0
+    else:
+        # (task, role, turn) groups of the 4 episodes' single candidates: never more than 4 members.
+        assert d["mas/episodes"] == 4 * tasks and 1.0 <= d["mas/group/size_mean"] <= 4.0

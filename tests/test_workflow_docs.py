@@ -48,3 +48,11 @@ def test_the_docs_example_runs_and_passes_check_workflow(monkeypatch, capsys):
         exec(compile(block, f"{DOC.name}[block {i}]", "exec"), namespace)  # includes check_workflow(...)
     assert "outcome: terminated after 1 turns" in capsys.readouterr().out
     assert verl_mas.get_workflow("sum-check-v0") is namespace["SumCheckWorkflow"]
+
+
+def test_the_ablation_table_lists_the_settings_the_benchmark_and_tests_run() -> None:
+    from verl_mas.config import ABLATIONS
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "training.md").read_text()
+    for name, overrides in ABLATIONS.items():
+        assert f"| `{' '.join(overrides)}` |" in text, name

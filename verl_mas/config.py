@@ -50,6 +50,16 @@ SHARED_ROLLOUT_KEYS = ("n", "prompt_length", "response_length", "max_model_len",
                        "multi_turn", "mode", "name", "full_determinism")
 #: Rollout backends whose servers are named and weight-synced per policy (``rollout.custom.mas_policy``).
 POLICY_AWARE_ROLLOUTS = ("hf",)
+#: The paper's comparisons as Hydra overrides of a recipe (what each computes: docs/training.md, "Ablations").
+#: The learning benchmark and the main_ppo tests run exactly these.
+ABLATIONS: dict[str, tuple[str, ...]] = {
+    "at_grpo": ("mas.sampling=tree", "mas.grouping=agent_turn", "mas.branching=4", "actor_rollout_ref.rollout.n=1"),
+    "role_only_groups": ("mas.sampling=tree", "mas.grouping=agent", "mas.branching=4", "actor_rollout_ref.rollout.n=1"),
+    "trajectory_grpo": ("mas.sampling=parallel", "mas.grouping=trajectory", "mas.branching=1",
+                        "actor_rollout_ref.rollout.n=4"),
+    "parallel_sampling": ("mas.sampling=parallel", "mas.grouping=agent_turn", "mas.branching=1",
+                          "actor_rollout_ref.rollout.n=4"),
+}
 
 
 class MasConfigError(ValueError):
