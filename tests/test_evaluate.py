@@ -92,3 +92,20 @@ def test_cli_role_swap_with_two_tiny_models(tmp_path: Path, capsys) -> None:
     other = write_tiny(tmp_path / "other", hidden_size=32, num_hidden_layers=1)  # generic BPE vocabulary
     with pytest.raises(SystemExit, match="different vocabulary"):
         main(["--data", "x.parquet", "--model", str(a), "--role", f"runner={other}"])
+
+
+async def test_an_aborted_episode_counts_as_a_failure_next_to_an_abort_rate() -> None:
+    from verl_mas.errors import InfraError
+
+    tokenizer = default_tokenizer()
+
+    def perfect_but_first_task_lost(role: str, messages: list):
+        word = messages[-1]["content"].split()[-1]
+        if word in ("red", "blue"):  # the first task's server is gone: every candidate fails
+            raise InfraError("replica lost")
+        return word
+
+    report = await evaluate(_relay_rows(), client=ScriptedLLM(perfect_but_first_task_lost, tokenizer=tokenizer),
+                            tokenizer=tokenizer, config=EpisodeConfig(branching=1, max_turns=4))
+    # Task 2 succeeds, task 1 aborts: success 1/2 over both (not 1/1 over the completed one), aborted 1/2.
+    assert report["success_rate"] == 0.5 and report["aborted_rate"] == 0.5 and report["episodes"] == 2.0

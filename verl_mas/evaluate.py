@@ -119,7 +119,8 @@ async def evaluate(
         config: Branching, turns, alpha (use ``branching=1`` for single-sample accuracy).
 
     Returns:
-        ``success_rate/<data_source>``, ``success_rate`` (all rows) and the mean of every ``mas/*`` metric.
+        ``success_rate/<data_source>``, ``success_rate`` (all rows; an episode aborted by an infrastructure
+        failure counts as a failure), ``aborted_rate`` and the mean of every ``mas/*`` metric.
     """
 
     async def one(i: int, row: dict[str, Any]) -> tuple[str, dict[str, float]]:
@@ -129,7 +130,10 @@ async def evaluate(
             extra["workflow"], task, client=client, tokenizer=tokenizer, config=config, seed=seed + i,
             task_uid=f"eval-{i}",
         )
-        return row["data_source"], episode.metrics
+        metrics = dict(episode.metrics)
+        if episode.aborted:
+            metrics["mas/success"] = 0.0  # never left out of the rate: a failure, counted in aborted_rate
+        return row["data_source"], metrics
 
     results = await asyncio.gather(*(one(i, row) for i, row in enumerate(rows)))
     by_source: dict[str, list[float]] = defaultdict(list)
@@ -147,6 +151,7 @@ async def evaluate(
     report = {f"success_rate/{source}": sum(v) / len(v) for source, v in sorted(by_source.items())}
     all_success = [s for v in by_source.values() for s in v]
     report["success_rate"] = sum(all_success) / len(all_success) if all_success else float("nan")
+    report["aborted_rate"] = sum(m.get("mas/aborted", 0.0) for _, m in results) / len(results) if results else 0.0
     report["episodes"] = float(len(results))
     report.update({key: sum(v) / len(v) for key, v in sorted(sums.items())})
     return report
@@ -170,6 +175,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--alpha", type=float, default=1.0)
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--chat-template-kwargs", type=json.loads, default={}, metavar="JSON",
+                        help='variables of the chat template, e.g. \'{"enable_thinking": false}\' (Qwen3 non-thinking)')
     parser.add_argument("--limit", type=int, default=None, help="evaluate the first N rows only")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None, help="also write the report to this file")
@@ -188,7 +195,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     }
     client = RoleRoutedClient({role: engines[path] for role, path in role_models.items()},
                               default=engines[args.model] if args.model else None)
-    config = EpisodeConfig(branching=args.branching, max_turns=args.max_turns, alpha=args.alpha)
+    config = EpisodeConfig(branching=args.branching, max_turns=args.max_turns, alpha=args.alpha,
+                           chat_template_kwargs=dict(args.chat_template_kwargs))
     report = asyncio.run(evaluate(rows, client=client, tokenizer=tokenizer, config=config, seed=args.seed))
     for role, path in sorted(role_models.items()):
         print(f"{'role ' + role:<40} {path}")
