@@ -51,6 +51,7 @@ from verl_mas.advantage.groups import (
     prompt_mismatches,
 )
 from verl_mas.config import MAS_TRAINER_MARK, MasConfig, check_run_config
+from verl_mas.minibatch import actor_dp_size, required_batch_multiple, update_mini_batch_size
 from verl_mas.policies import PolicyRouterClient, PolicyStack, SessionRoutedClient
 
 logger = logging.getLogger(__name__)
@@ -359,24 +360,25 @@ class MasTrainer(PPOTrainerSync):
         """PPO update with mini-batches counted in tasks, as ``actor.ppo_mini_batch_size`` is everywhere in verl.
 
         verl sizes the update's mini-batches as ``ppo_mini_batch_size * rollout.n`` rows, which assumes one
-        row per session. An episode yields a variable number of rows (roles x turns x K candidates), so
-        the mini-batch is the rows of ``ppo_mini_batch_size`` tasks: ``train_batch_size /
-        ppo_mini_batch_size`` optimiser steps per training step, as in stock verl.
+        row per session. An episode yields a variable number of rows (roles x turns x K candidates), so the
+        batch is padded to a multiple that splits into stock verl's ``ceil(train_batch_size /
+        ppo_mini_batch_size)`` mini-batches of whole per-rank shares (:mod:`verl_mas.minibatch`), and the
+        mini-batch size is set for the call to what verl's asserts accept for this batch.
         """
         return self._per_policy(batch, metrics, lambda v, b, m: v._update_policy_actor(b, m), "update_actor")
 
+    def _get_required_batch_multiple(self, dp_size: int) -> int:
+        # verl's _balance_batch pads each (policy's) batch to this multiple: with it the update below
+        # takes stock verl's number of optimiser steps whatever the row count (verl_mas/minibatch.py).
+        return required_batch_multiple(self.config, dp_size=dp_size, use_reference_policy=self.use_reference_policy)
+
     def _update_policy_actor(self, batch: Any, metrics: dict) -> Any:
+        # (with several policies ``batch`` holds one policy's rows and ``self`` is that policy's view)
         actor = self.config.actor_rollout_ref.actor
-        n = int(self.config.actor_rollout_ref.rollout.n)
-        num_mini_batches = max(1, int(self.config.data.train_batch_size) // int(actor.ppo_mini_batch_size))
-        world = int(self.config.trainer.n_gpus_per_node) * int(self.config.trainer.nnodes)
-        rows = len(batch.keys) // num_mini_batches
-        rows -= rows % (world * n)  # every data-parallel rank gets whole mini-batches
-        # (with several policies ``batch`` holds one policy's rows: each policy takes the same number of
-        # optimiser steps per training step)
+        value = update_mini_batch_size(self.config, batch, dp_size=actor_dp_size(self.actor_rollout_wg))
         configured = actor.ppo_mini_batch_size
         with open_dict(self.config):
-            actor.ppo_mini_batch_size = max(world, rows // n)
+            actor.ppo_mini_batch_size = value
         try:
             return super()._update_actor(batch, metrics=metrics)
         finally:
@@ -391,7 +393,7 @@ class MasTrainer(PPOTrainerSync):
         response_mask = data["response_mask"]
         padding = np.array([bool(tag.get("is_padding", False)) for tag in batch.tags])
         groups = assign_groups(extras, uids, padding, self.mas, episodes=episodes)
-        keys, ids, rewards, roles, turns = groups.keys, groups.ids, groups.rewards, groups.roles, groups.turns
+        keys, rewards = groups.keys, groups.rewards
 
         # Token-level scores: each row's own reward on its last response token.
         lengths = response_mask.offsets().diff().tolist()
