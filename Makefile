@@ -1,6 +1,6 @@
 # verl_mas: two commands for a fresh machine. Both create or refresh ./.venv first (idempotent).
 #   make demo   the main job: AT-GRPO through verl's main_ppo on CPU, a tiny model learning a two-role task
-#   make test   the test suite CI runs (includes real verl/Ray runs; ~15 min on 2 cores)
+#   make test   the test suite CI runs (includes real verl/Ray runs; ~30 min on 2 cores)
 # Knobs: PYTHON=python3.11  TORCH="torch==2.13.0"  PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu"
 
 PYTHON ?= python3
