@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from pathlib import Path
 
 import numpy as np
@@ -125,7 +126,7 @@ async def test_validation_rows_run_single_sample_episodes_and_report_success_as_
 
 
 async def test_grouping_passes_on_real_rows_and_a_broken_key_is_caught(tiny_model_dir: Path) -> None:
-    from verl_mas.trainer import GroupPromptMismatchError, assign_groups, check_group_prompts
+    from verl_mas.advantage.groups import group_invariant_problems
 
     loop, _, _ = _make_loop(tiny_model_dir, {"branching": 2, "max_turns": 2})
     rows = []
@@ -141,10 +142,14 @@ async def test_grouping_passes_on_real_rows_and_a_broken_key_is_caught(tiny_mode
     assert len(set(groups.ids.tolist())) == 8
     assert np.bincount(groups.ids).tolist() == [2] * 8
     # Negative control: the reference implementation's index arithmetic (row // K) on a shuffled batch
-    # puts rows of different prompts together; the check names the groups.
+    # puts rows of different tasks, roles or turns together; the check, which reads the rows' own fields,
+    # names the groups.
     broken_ids = np.arange(len(rows)) // 2
-    with pytest.raises(GroupPromptMismatchError, match="mix different prompts"):
-        check_group_prompts(broken_ids, groups.keys, [e["mas_prompt_hash"] for e in extras])
+    problems = group_invariant_problems(
+        broken_ids, groups.keys, grouping="agent_turn", sampling="tree", task_uids=uids, episodes=uids,
+        roles=[e["mas_role"] for e in extras], turns=[e["mas_turn"] for e in extras],
+        prompt_hashes=[e["mas_prompt_hash"] for e in extras])
+    assert problems and all(re.search(r"group\(s\) mix (tasks|roles|turns)", p) for p in problems)
     # Padding rows never join a real group.
     padding = np.zeros(len(rows), dtype=bool)
     padding[0] = True

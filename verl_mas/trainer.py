@@ -7,12 +7,17 @@ step of verl's pipeline, the advantage computation:
 2. rebuild the token-level scores from each candidate's own reward (verl copies the last output's score
    onto the earlier outputs of a run) and build the group of every row from (task uid, role, turn), per
    ``mas.grouping``, in :mod:`verl_mas.advantage.groups`;
-3. check that every member of a group was sampled from one prompt (by prompt hash) and raise with the
-   offending groups otherwise: a group mixing prompts has no meaningful baseline;
+3. check, on the rows' own fields, what the grouping and sampling imply (one task, role and turn per
+   group, one prompt per tree node, ...) and raise with the offending groups otherwise: a group mixing
+   prompts has no meaningful baseline;
 4. hand the group keys to verl's advantage path as the row index, so ``algorithm.adv_estimator=at_grpo``
    normalises inside them, then restore verl's row uids;
-5. log ``mas/<role>/reward/mean``, ``mas/<role>/turns``, ``mas/success_rate``, ``mas/group/*`` and the
-   parse/infrastructure failure counts.
+5. log ``mas/<role>/reward/mean``, ``mas/<role>/turns``, ``mas/success_rate`` (over every episode of the
+   step), ``mas/group/*`` and the parse/infrastructure failure counts.
+
+It also pads each batch so that verl's PPO update takes stock verl's number of mini-batches whatever the
+row count (:mod:`verl_mas.minibatch`), stops a step in which an episode raised instead of training on the
+rest, and hands the agent loops a client that gives every candidate its own request id.
 
 With several policies (``mas.policies``, one model or one LoRA adapter per role) the trainer also builds
 one actor/rollout stack per extra policy (:mod:`verl_mas.policies`), hands the agent loops a client that
@@ -48,7 +53,6 @@ from verl_mas.advantage.groups import (
     group_invariant_problems,
     group_key,
     group_stats,
-    prompt_mismatches,
 )
 from verl_mas.config import MAS_TRAINER_MARK, MasConfig, check_run_config
 from verl_mas.minibatch import actor_dp_size, required_batch_multiple, update_mini_batch_size
@@ -614,24 +618,6 @@ def assign_groups(
             "non-padding rows. Set mas.check_group_prompts=false only to debug a prompt mismatch."
         )
     return GroupAssignment(keys, ids, rewards, roles, turns)
-
-
-def check_group_prompts(ids: np.ndarray, keys: list[str], hashes: list[int]) -> None:
-    """Raise :class:`GroupPromptMismatchError` naming the groups whose rows have different prompt hashes."""
-    bad = prompt_mismatches(ids, hashes)
-    if not bad:
-        return
-    examples = []
-    for gid in bad:
-        rows = np.flatnonzero(ids == gid).tolist()
-        examples.append(f"group {keys[rows[0]]!r}: rows {rows} have prompt hashes {[hashes[r] for r in rows]}")
-    raise GroupPromptMismatchError(
-        "AT-GRPO groups mix different prompts, so their mean reward is not a baseline for any member:\n  "
-        + "\n  ".join(examples)
-        + "\nEvery (task, role, turn) group must hold the K candidates of ONE prompt. This is a bug in how "
-        "group keys were built (or a workflow that generates twice for one role in a turn); "
-        "set mas.check_group_prompts=false only to debug it."
-    )
 
 
 def merge_policy_metrics(per_policy: dict[str, dict]) -> dict[str, float]:
