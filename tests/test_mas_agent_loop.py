@@ -402,3 +402,23 @@ async def test_every_key_of_the_mas_block_has_an_effect(tiny_model_dir: Path) ->
     assert set(observations) == {f.name for f in fields(MasConfig)}
     for observe in dict.fromkeys(observations.values()):
         await observe()
+
+
+def test_episode_settings_have_one_validator_for_the_engine_and_the_mas_block() -> None:
+    from verl_mas.episode import EpisodeConfig, EpisodeSettings
+
+    # Before, mas.alpha=nan passed the mas: block's validator and failed later in EpisodeConfig, inside a
+    # rollout worker. Now both report the same problems, the block's prefixed with "mas.".
+    bad = {"branching": 0, "max_turns": True, "alpha": float("nan"), "tie_break": "best", "request_timeout_s": 0}
+    engine = EpisodeSettings(**bad).setting_problems()
+    assert len(engine) == 5
+    _, block = MasConfig.parse(bad)
+    assert block == ["mas." + p for p in engine]
+    with pytest.raises(ValueError, match="5 problems"):
+        EpisodeConfig(**bad)
+    # The block hands every episode setting to the engine without listing them again.
+    mas = MasConfig(branching=3, max_turns=2, alpha=0.5, tie_break="random", request_timeout_s=7.0, val_branching=1)
+    train, val = mas.episode_config_for(validate=False), mas.episode_config_for(validate=True)
+    assert (train.branching, train.max_turns, train.alpha, train.tie_break, train.request_timeout_s) == (3, 2, 0.5,
+                                                                                                       "random", 7.0)
+    assert val.branching == 1 and val.alpha == 0.5

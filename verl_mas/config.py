@@ -29,13 +29,13 @@ from collections.abc import Mapping
 from dataclasses import InitVar, dataclass, field, fields
 from typing import Any
 
-from verl_mas.episode import EpisodeConfig
+from verl_mas.advantage.groups import GROUPING_MODES
+from verl_mas.episode import EpisodeConfig, EpisodeSettings
 
 __all__ = ["MasConfig", "MasConfigError", "check_run_config"]
 
-GROUPINGS = ("agent_turn", "agent", "trajectory")
+#: ``mas.sampling`` values: K candidates per node of one episode, or K independent episodes per task.
 SAMPLINGS = ("tree", "parallel")
-SINGLETONS = ("zero", "raw")
 DEFAULT_POLICY = "default"
 #: Blocks of verl's ``actor_rollout_ref`` a policy may override.
 POLICY_BLOCKS = ("model", "actor", "rollout", "ref")
@@ -67,23 +67,16 @@ class MasConfigError(ValueError):
 
 
 @dataclass(frozen=True)
-class MasConfig:
-    """The ``mas:`` block."""
+class MasConfig(EpisodeSettings):
+    """The ``mas:`` block: the episode settings (``branching``, ``max_turns``, ``alpha``, ``tie_break``,
+    ``request_timeout_s``, declared once in :class:`verl_mas.episode.EpisodeSettings`) and the rest below."""
 
-    branching: int = 4
-    """K: candidates sampled from one prompt at every (task, role, turn) (tree sampling)."""
-    max_turns: int = 4
-    """T: the most turns an episode may take; an episode that runs out is truncated."""
-    alpha: float = 1.0
-    """Weight of the team reward in ``reward = alpha * team + local``."""
     grouping: str = "agent_turn"
     """Advantage groups: ``agent_turn`` (AT-GRPO: task, role, turn), ``agent`` (task, role) or
     ``trajectory`` (task: classic GRPO over whole episodes; use with ``sampling: parallel``)."""
     sampling: str = "tree"
     """``tree``: K candidates per node, the best committed (AT-GRPO). ``parallel``: K independent episodes
     from the start state (set ``actor_rollout_ref.rollout.n`` to K; branching is forced to 1)."""
-    tie_break: str = "first"
-    """Which of several best candidates is committed: ``first`` or ``random`` (seeded)."""
     singleton_advantage: str = "zero"
     """Advantage of a one-member group: ``zero`` (no baseline, no signal) or ``raw`` (its reward)."""
     check_group_prompts: bool = True
@@ -108,8 +101,6 @@ class MasConfig:
     writes them). 1 (default): every node commits its only sample, so verl's ``val-core/<source>/acc``
     is single-sample team success, comparable across sampling modes (training success under tree
     sampling includes best-of-K commits)."""
-    request_timeout_s: float | None = None
-    """Per-group timeout of a model request (an infrastructure failure, never a training sample)."""
     replay_poll_interval_s: float = 0.2
     """How often the trainer checks whether the step's episodes have finished (verl's default: 2 s)."""
     _check: InitVar[bool] = True
@@ -122,28 +113,20 @@ class MasConfig:
                 raise MasConfigError("Invalid mas: config block:\n  - " + "\n  - ".join(problems))
 
     def problems(self) -> list[str]:
-        out: list[str] = []
-        if not isinstance(self.branching, int) or self.branching < 1:
-            out.append(f"mas.branching is {self.branching!r}; it must be an integer >= 1 (the paper uses 4).")
-        if not isinstance(self.val_branching, int) or self.val_branching < 1:
+        from verl_mas.advantage.at_grpo import SINGLETON_POLICIES  # torch: only where a block is validated
+
+        out = self.setting_problems(prefix="mas.")  # branching, max_turns, alpha, tie_break, request_timeout_s
+        if isinstance(self.val_branching, bool) or not isinstance(self.val_branching, int) or self.val_branching < 1:
             out.append(f"mas.val_branching is {self.val_branching!r}; it must be an integer >= 1 (1: single-sample).")
-        if not _number(self.replay_poll_interval_s) or not self.replay_poll_interval_s > 0:
+        poll = self.replay_poll_interval_s
+        if isinstance(poll, bool) or not isinstance(poll, (int, float)) or not math.isfinite(poll) or poll <= 0:
             out.append(f"mas.replay_poll_interval_s is {self.replay_poll_interval_s!r}; it must be > 0 seconds.")
-        if not _number(self.alpha):
-            out.append(f"mas.alpha is {self.alpha!r}; it must be a finite number (reward = alpha * team + local; "
-                       "the paper uses 1.0).")
-        t = self.request_timeout_s
-        if t is not None and (not _number(t) or not t > 0):
-            out.append(f"mas.request_timeout_s is {t!r}; it must be a positive number of seconds, or null for none.")
         if not isinstance(self.check_group_prompts, bool):
             out.append(f"mas.check_group_prompts is {self.check_group_prompts!r}; it must be true or false.")
-        if not isinstance(self.max_turns, int) or self.max_turns < 1:
-            out.append(f"mas.max_turns is {self.max_turns!r}; it must be an integer >= 1 (the paper uses 4).")
         for name, value, allowed in (
-            ("grouping", self.grouping, GROUPINGS),
+            ("grouping", self.grouping, GROUPING_MODES),
             ("sampling", self.sampling, SAMPLINGS),
-            ("tie_break", self.tie_break, ("first", "random")),
-            ("singleton_advantage", self.singleton_advantage, SINGLETONS),
+            ("singleton_advantage", self.singleton_advantage, SINGLETON_POLICIES),
         ):
             if value not in allowed:
                 out.append(f"mas.{name} is {value!r}; use one of {list(allowed)}.")
@@ -304,12 +287,9 @@ class MasConfig:
                 ``mas.roles.<role>.chat_template_kwargs`` are merged over them.
             max_prompt_tokens: The longest prompt the rollout can answer (a longer one ends the episode).
         """
+        settings = {f.name: getattr(self, f.name) for f in fields(EpisodeSettings)}
         return EpisodeConfig(
-            branching=self.val_branching if validate else self.branching,
-            max_turns=self.max_turns,
-            alpha=float(self.alpha),
-            tie_break=self.tie_break,
-            request_timeout_s=self.request_timeout_s,
+            **{**settings, "branching": self.val_branching if validate else self.branching},
             chat_template_kwargs=dict(chat_template_kwargs or {}),
             role_chat_template_kwargs={
                 role: dict(settings["chat_template_kwargs"])
@@ -363,10 +343,6 @@ class MasConfig:
         block = config.get("mas", None) if hasattr(config, "get") else getattr(config, "mas", None)
         return cls.from_mapping(block)
 
-
-def _number(value: Any) -> bool:
-    """A finite int or float (not a bool)."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 #: Set by the ``mas`` trainer in ``trainer.v1`` (which then reads ``trainer_mode: sync`` for verl's own checks):

@@ -3,7 +3,7 @@
 Every candidate the engine samples is a training sample, so the record keeps all of them: role, turn,
 group key, prompt ids, response ids, rollout log-probs, reward (and its team/local parts), and the
 ``committed`` / ``trainable`` / ``parse_failed`` flags. The group key is built in exactly one place,
-:func:`group_key`, from stable ids, never from positions in a batch (at-grpo.md §5, trap 1).
+:func:`group_key`, from stable ids, never from positions in a batch (docs/algorithm.md §5, pitfall 1).
 """
 
 from __future__ import annotations
@@ -16,12 +16,11 @@ from typing import Any, overload
 
 from verl_mas.errors import WorkflowError
 
-__all__ = ["Candidate", "Candidates", "Episode", "EpisodeConfig", "GROUP_KEY_SEP", "group_key"]
+__all__ = ["Candidate", "Candidates", "Episode", "EpisodeConfig", "EpisodeSettings", "GROUP_KEY_SEP", "TIE_BREAKS",
+           "group_key"]
 
 #: Separator of the parts of a group key; task uids and role names may not contain it.
 GROUP_KEY_SEP = "|"
-
-_TIE_BREAKS = ("first", "random")
 
 
 def group_key(task_uid: str, role: str, turn: int) -> str:
@@ -32,20 +31,59 @@ def group_key(task_uid: str, role: str, turn: int) -> str:
     return f"{task_uid}{GROUP_KEY_SEP}{role}{GROUP_KEY_SEP}{turn}"
 
 
+#: ``tie_break`` values: which of several best candidates :meth:`Candidates.best` commits.
+TIE_BREAKS = ("first", "random")
+
+
+def _int_at_least_one(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _finite_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
 @dataclass(frozen=True)
-class EpisodeConfig:
-    """How episodes are sampled. Validated on construction; every problem is reported at once."""
+class EpisodeSettings:
+    """The settings of an episode a recipe chooses: declared and validated here once, shared by the engine's
+    :class:`EpisodeConfig` and the ``mas:`` block (:class:`verl_mas.config.MasConfig`)."""
 
     branching: int = 4
-    """K: candidates sampled per (task, role, turn) from one prompt (1 disables the tree)."""
+    """K: candidates sampled per (task, role, turn) from one prompt (1 disables the tree; the paper: 4)."""
     max_turns: int = 4
-    """T: the most turns an episode may use; an episode that runs out is truncated."""
+    """T: the most turns an episode may use; an episode that runs out is truncated (the paper: 4)."""
     alpha: float = 1.0
-    """Weight of the team reward: ``reward = alpha * team_reward + local_reward``."""
+    """Weight of the team reward: ``reward = alpha * team_reward + local_reward`` (the paper: 1)."""
     tie_break: str = "first"
     """Which of several best candidates ``best()`` commits: ``"first"`` or ``"random"`` (seeded)."""
     request_timeout_s: float | None = None
-    """Per-group timeout of a model request; a timeout is an infrastructure failure. None: no timeout."""
+    """Per-group timeout of a model request; a timeout is an infrastructure failure (never a training
+    sample). None: no timeout."""
+
+    def setting_problems(self, prefix: str = "") -> list[str]:
+        """Every problem with the settings above, each naming its key with ``prefix`` (e.g. ``"mas."``)."""
+        out: list[str] = []
+        if not _int_at_least_one(self.branching):
+            out.append(f"{prefix}branching is {self.branching!r}; it must be an int >= 1 (K candidates per group; "
+                       "the paper uses 4)")
+        if not _int_at_least_one(self.max_turns):
+            out.append(f"{prefix}max_turns is {self.max_turns!r}; it must be an int >= 1 (the paper uses 4)")
+        if not _finite_number(self.alpha):
+            out.append(f"{prefix}alpha is {self.alpha!r}; it must be a finite number (reward = alpha * team + local; "
+                       "the paper uses 1.0)")
+        if self.tie_break not in TIE_BREAKS:
+            out.append(f"{prefix}tie_break is {self.tie_break!r}; choose one of {list(TIE_BREAKS)}")
+        t = self.request_timeout_s
+        if t is not None and (not _finite_number(t) or not t > 0):
+            out.append(f"{prefix}request_timeout_s is {t!r}; it must be a positive number of seconds, or None")
+        return out
+
+
+@dataclass(frozen=True)
+class EpisodeConfig(EpisodeSettings):
+    """How episodes are sampled: the recipe's :class:`EpisodeSettings` plus what the serving side adds.
+    Validated on construction; every problem is reported at once."""
+
     chat_template_kwargs: Mapping[str, Any] = field(default_factory=dict, hash=False)
     """Extra chat-template variables for every role's prompts, e.g. ``{"enable_thinking": False}`` for
     Qwen3's non-thinking mode (the agent loop passes verl's ``data.apply_chat_template_kwargs``)."""
@@ -61,20 +99,9 @@ class EpisodeConfig:
 
     def problems(self) -> list[str]:
         """Every problem with this config (empty when valid)."""
-        out: list[str] = []
-        if isinstance(self.branching, bool) or not isinstance(self.branching, int) or self.branching < 1:
-            out.append(f"branching is {self.branching!r}; it must be an int >= 1 (K candidates per group)")
-        if isinstance(self.max_turns, bool) or not isinstance(self.max_turns, int) or self.max_turns < 1:
-            out.append(f"max_turns is {self.max_turns!r}; it must be an int >= 1")
-        if not isinstance(self.alpha, (int, float)) or isinstance(self.alpha, bool) or not math.isfinite(self.alpha):
-            out.append(f"alpha is {self.alpha!r}; it must be a finite number (the paper uses 1.0)")
-        if self.tie_break not in _TIE_BREAKS:
-            out.append(f"tie_break is {self.tie_break!r}; choose one of {_TIE_BREAKS}")
-        t = self.request_timeout_s
-        if t is not None and (not isinstance(t, (int, float)) or isinstance(t, bool) or not t > 0):
-            out.append(f"request_timeout_s is {t!r}; it must be a positive number of seconds or None")
+        out = self.setting_problems()
         m = self.max_prompt_tokens
-        if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
+        if m is not None and not _int_at_least_one(m):
             out.append(f"max_prompt_tokens is {m!r}; it must be an int >= 1 or None")
         if not isinstance(self.chat_template_kwargs, Mapping):
             out.append(f"chat_template_kwargs is {type(self.chat_template_kwargs).__name__}; it must be a mapping")
@@ -83,15 +110,15 @@ class EpisodeConfig:
             out.append(f"role_chat_template_kwargs is {per_role!r}; it must map role names to mappings")
         return out
 
-    def chat_template_kwargs_for(self, role: str) -> dict[str, Any]:
-        """The chat-template variables of ``role``'s prompts: the shared ones, then the role's own."""
-        return {**self.chat_template_kwargs, **self.role_chat_template_kwargs.get(role, {})}
-
     def validate(self) -> None:
         """Raise ``ValueError`` listing every problem, if any."""
         problems = self.problems()
         if problems:
             raise ValueError(f"invalid EpisodeConfig ({len(problems)} problems): " + "; ".join(problems) + ".")
+
+    def chat_template_kwargs_for(self, role: str) -> dict[str, Any]:
+        """The chat-template variables of ``role``'s prompts: the shared ones, then the role's own."""
+        return {**self.chat_template_kwargs, **self.role_chat_template_kwargs.get(role, {})}
 
 
 def _finite(value: object, what: str) -> float:
