@@ -87,7 +87,7 @@ async def play(
 
 
 def advantages(candidates: list[Any], eps: float = 1e-6) -> list[float]:
-    """GRPO advantages normalised within each group key (at-grpo.md Eq. 1; unbiased std, as verl)."""
+    """GRPO advantages normalised within each group key (docs/algorithm.md §2; unbiased std, as verl)."""
     groups: dict[str, list[float]] = defaultdict(list)
     for c in candidates:
         groups[c.group_key].append(c.reward)

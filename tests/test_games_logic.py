@@ -221,7 +221,7 @@ def test_sudoku_valid_grid_that_contradicts_a_clue_is_not_solved() -> None:
     assert not puzzle.is_solved(swapped)
     step = puzzle.step(puzzle.initial_state(), swapped)
     assert step.reward == sd.INVALID == -1.0 and step.state == puzzle.puzzle and not step.solved
-    # The example grid of the prompt is valid too, and does not solve this puzzle (trap 5).
+    # The example grid of the prompt is valid too, and does not solve this puzzle (docs/algorithm.md §5, pitfall 5).
     example = sd.grid_from_rows(["1234", "3412", "2143", "4321"])
     assert sd.is_valid_complete(example) and not puzzle.is_solved(example)
 

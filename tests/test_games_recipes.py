@@ -24,7 +24,7 @@ def test_recipe_composes_with_paper_settings(name: str) -> None:
     assert cfg.algorithm.adv_estimator == "at_grpo" and cfg.trainer.v1.trainer_mode == "mas"
     assert cfg.data.train_batch_size == 128 and cfg.actor_rollout_ref.actor.ppo_mini_batch_size == 64
     assert cfg.actor_rollout_ref.rollout.name == "vllm" and cfg.trainer.n_gpus_per_node == 8
-    assert cfg.actor_rollout_ref.rollout.temperature == 1.0  # on-policy sampling (trap 6)
+    assert cfg.actor_rollout_ref.rollout.temperature == 1.0  # on-policy sampling (docs/algorithm.md §5, pitfall 6)
     # Qwen3 in non-thinking mode, as in the paper: verl's own key, which the mas agent loop renders prompts with.
     assert cfg.data.apply_chat_template_kwargs == {"enable_thinking": False}
     from verl_mas.config import check_run_config

@@ -73,7 +73,8 @@ async def test_only_the_committed_candidate_changes_the_state_and_later_roles_ar
     assert movers[0].committed.index == 2
     assert "You are at 1;" in _requests(llm, "mover")[1].messages[-1]["content"]
     assert movers[1].rewards == [-0.25, -0.25, 1.75, 0.0]
-    # The later role's rewards differ within every group (trap 2: identical rewards, zero advantage).
+    # The later role's rewards differ within every group (docs/algorithm.md §5, pitfall 2: identical rewards,
+    # zero advantage).
     assert all(len(set(g.rewards)) > 1 for g in movers)
     assert episode.terminated and not episode.truncated and episode.num_turns == 2
     assert [c.committed for c in movers[0].all] == [False, False, True, False]

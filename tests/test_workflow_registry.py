@@ -82,7 +82,7 @@ def test_entry_point_group(monkeypatch, tmp_path):
     cls = get_workflow("ext-flow-v0")
     assert cls.__name__ == "External" and cls.workflow_id == "ext-flow-v0"
     assert {"ext-flow-v0", "broken-flow-v0"} <= set(registered_workflows())
-    # Import errors of published workflows are never swallowed (trap 11).
+    # Import errors of published workflows are never swallowed (docs/algorithm.md §5, pitfall 11).
     with pytest.raises(ImportError, match="broken-flow-v0.*does_not_exist"):
         get_workflow("broken-flow-v0")
 

@@ -2,7 +2,7 @@
 
 At every (task, role, turn) the acting role draws K candidates from one prompt (one client request with
 ``n=K``), the workflow rewards each on a clone of its state and commits the best; the episode continues
-from the committed candidate (at-grpo.md §2). :func:`run_episode` is the one entry point shared by
+from the committed candidate (docs/algorithm.md §2). :func:`run_episode` is the one entry point shared by
 :func:`verl_mas.testing.run_workflow` and the verl agent loop. It holds no global state and no
 concurrency cap: many episodes run concurrently on one event loop.
 """

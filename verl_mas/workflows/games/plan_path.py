@@ -4,7 +4,7 @@ A grid of ``rows x cols`` cells, ``#`` walls and ``.`` floor. The walker starts 
 reach ``goal`` moving U/D/L/R; every grid is generated with the goal reachable (BFS) and its shortest
 path length known.
 
-Rewards of one action (a move list), applied to a copy of the state (at-grpo.md §3):
+Rewards of one action (a move list), applied to a copy of the state (docs/algorithm.md §3):
 
 - per move: -0.01 if valid; -0.10 if invalid (a wall or the border: the walker stays put);
 - potential shaping ``0.99 * phi(s') - phi(s)`` with ``phi = -Manhattan(position, goal)``, where ``s``

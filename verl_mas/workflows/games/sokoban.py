@@ -6,7 +6,7 @@ when the cell behind the box is free; boxes cannot be pulled. Solved when every 
 Symbols (tasks, prompts and the tool's stdin): ``#`` wall, ``_`` floor, ``O`` goal, ``X`` box,
 ``*`` box on a goal, ``P`` player, ``S`` player on a goal.
 
-Rewards of one action (a move list), applied to a copy of the state (at-grpo.md §3):
+Rewards of one action (a move list), applied to a copy of the state (docs/algorithm.md §3):
 
 - per move: -0.01 if valid, -0.05 if invalid (into a wall, or pushing a box into a wall or a box);
 - +1.0 for each push of a box onto a goal, -0.5 for each push of a box off a goal;

@@ -2,7 +2,7 @@
 
 An ``n x n`` grid (n = 4 as in the paper, or 9) with ``b x b`` boxes (b = sqrt(n)); ``0`` is an empty
 cell. A grid is **solved** when it is complete, keeps every clue of the puzzle, and every row, column
-and box holds 1..n once (at-grpo.md §5 trap 5: a valid grid that changes a clue is not a solution).
+and box holds 1..n once (docs/algorithm.md §5, pitfall 5: a valid grid that changes a clue is not a solution).
 
 An action is a grid of the same shape (``0`` = leave the cell empty). Rewards of one action, applied to
 a copy of the state (deliberate v0 choices):

@@ -1,6 +1,6 @@
 """The tool -> planner workflow shared by the games (and its planner-only baseline).
 
-Each turn (at-grpo.md §3):
+Each turn (docs/algorithm.md §3):
 
 1. **tool** sees the state and writes a Python program that reads the state from stdin and prints an
    action. Every candidate's program runs in the sandbox (:func:`verl_mas.sandbox.run_python`), the
