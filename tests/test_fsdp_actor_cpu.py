@@ -28,6 +28,9 @@ import pytest
 
 HELPER = Path(__file__).with_name("_fsdp_helpers.py")
 
+# the scenario runs verl's FSDP2 engine in a child interpreter
+pytestmark = pytest.mark.slow
+
 #: What the scenario must have used, for the hand-computed expectations below.
 PROMPT_LENS = [5, 8, 3, 6]
 RESPONSE_LENS = [6, 4, 3, 3]

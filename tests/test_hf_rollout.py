@@ -142,6 +142,7 @@ async def test_batched_sampling_keeps_per_request_settings_and_seeds(engine: HFG
     assert [len(r.token_ids) for r in together] == [6, 6, 6, 2]  # each row stops at its own max_tokens
 
 
+@pytest.mark.slow  # starts Ray in a child interpreter
 def test_server_actor_under_concurrent_ray_requests(tiny_model_dir: Path) -> None:
     """The Ray server actor verl talks to: 32 concurrent generate calls vs one-at-a-time calls."""
     code = f"""

@@ -520,6 +520,7 @@ VARIANTS = [
 
 
 @pytest.mark.parametrize(("n", "micro", "vpp"), VARIANTS)
+@pytest.mark.slow  # a grid through verl's arithmetic (several seconds)
 def test_grid_other_settings(n, micro, vpp) -> None:
     """rollout.n, micro-batch size, dynamic batch size, Megatron's virtual pipeline: same properties."""
     ok = refused = 0
@@ -564,6 +565,7 @@ def _accepted(rows: int, dp: int, *, n: int = 1, micro: int | None = 1, vpp: int
 
 
 @pytest.mark.parametrize(("n", "micro", "vpp"), [(1, 1, 1), (1, 2, 1), (2, 1, 1), (1, None, 2)])
+@pytest.mark.slow  # a grid through verl's arithmetic (several seconds)
 def test_choice_is_the_nearest_verl_accepts(n, micro, vpp) -> None:
     """On rows that are not a multiple of the mas padding, no mini-batch size verl accepts is nearer S."""
     checked = 0
@@ -639,6 +641,7 @@ def test_no_mini_batch_is_padding_only() -> None:
     _check(update, 33)
 
 
+@pytest.mark.slow  # a grid through verl's arithmetic (several seconds)
 def test_log_prob_micro_batches_need_the_padding_too() -> None:
     """Static log-prob micro-batches: each rank's rows must split into them (``compute_log_prob``'s
     ``prepare_micro_batches``); the mas multiple includes ``dp x log_prob_micro_batch_size_per_gpu``."""

@@ -17,6 +17,9 @@ from importlib.metadata import entry_points
 import pytest
 
 
+# every scenario runs in a fresh interpreter (import verl: ~5 s each)
+pytestmark = pytest.mark.slow
+
 def _run(code: str, **env: str) -> subprocess.CompletedProcess[str]:
     base = {k: v for k, v in os.environ.items() if not k.startswith("VERL_")}
     return subprocess.run(
