@@ -117,10 +117,10 @@ def _dense_ids(index: Any) -> tuple[np.ndarray, np.ndarray | None]:
     if arr.dtype.kind in "iu":
         codes, _ = _codes(arr.astype(np.int64))
         return codes, None
-    keys = [str(k) for k in arr.tolist()]
-    if not any(MEMBER_SEP in k for k in keys):
+    if not any(isinstance(k, str) and MEMBER_SEP in k for k in arr.tolist()):  # the common case: no members
         codes, _ = _codes(arr)
         return codes, None
+    keys = [str(k) for k in arr.tolist()]
     groups = [k.rpartition(MEMBER_SEP)[0] if MEMBER_SEP in k else k for k in keys]
     codes, _ = _codes(groups)
     members, _ = _codes(keys)
