@@ -6,6 +6,7 @@ import asyncio
 
 import pytest
 
+from verl_mas.data.tasks import check_code_task, project_tasks
 from verl_mas.registry import get_workflow
 from verl_mas.sandbox import SandboxError, TestCase, run_tests
 from verl_mas.testing import ScriptedLLM, check_workflow, run_workflow
@@ -15,12 +16,11 @@ from verl_mas.workflows.code import (
     CodeSingleWorkflow,
     CodeWorkflow,
     TestsScore,
-    extract_code,
     parse_tests,
     score_code,
     score_tests,
 )
-from verl_mas.workflows.loaders import check_code_task, project_tasks
+from verl_mas.workflows.common import extract_code
 
 SOLUTION = "a, b = map(int, input().split())\nprint(a + b)\n"
 TASK = {

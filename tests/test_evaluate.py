@@ -50,7 +50,7 @@ async def test_local_model_client_runs_episodes_with_a_tiny_model(tmp_path: Path
 
 
 async def test_role_routed_client_serves_each_role_with_its_own_model_and_swaps() -> None:
-    from verl_mas.evaluate import RoleRoutedClient
+    from verl_mas.routing import RoleRoutedClient
 
     tokenizer = default_tokenizer()
 
@@ -92,6 +92,9 @@ def test_cli_role_swap_with_two_tiny_models(tmp_path: Path, capsys) -> None:
     other = write_tiny(tmp_path / "other", hidden_size=32, num_hidden_layers=1)  # generic BPE vocabulary
     with pytest.raises(SystemExit, match="different vocabulary"):
         main(["--data", "x.parquet", "--model", str(a), "--role", f"runner={other}"])
+    # The router training uses checks the data's workflows before any episode: relay-v0's runner has no model.
+    with pytest.raises(SystemExit, match=r"relay-v0' has roles \['runner'\] that no policy serves.*--role <role>=MODEL"):
+        main(["--data", str(tmp_path / "data" / "test.parquet"), "--role", f"caller={b}", "--max-tokens", "3"])
 
 
 async def test_an_aborted_episode_counts_as_a_failure_next_to_an_abort_rate() -> None:

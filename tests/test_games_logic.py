@@ -1,16 +1,63 @@
-"""Game logic of sudoku/sokoban/plan-path: oracle solvers, hand-computed rewards, generators, parsing."""
+"""Game logic of sudoku/sokoban/plan-path: oracle solvers, hand-computed rewards, generators, parsing, purity."""
 
 from __future__ import annotations
 
 import itertools
+import json
 import random
+import subprocess
+import sys
 
 import pytest
 
-from verl_mas.workflows.games import plan_path as pp
-from verl_mas.workflows.games import sokoban as sk
-from verl_mas.workflows.games import sudoku as sd
-from verl_mas.workflows.games.common import extract_code, parse_moves, split_of
+from verl_mas.games import plan_path as pp
+from verl_mas.games import sokoban as sk
+from verl_mas.games import sudoku as sd
+from verl_mas.games.common import parse_moves, split_of
+from verl_mas.workflows.common import extract_code
+
+# ---------------------------------------------------------------------------------------------------
+# Purity: verl_mas.games is game logic only, importing nothing of the workflow API.
+
+WORKFLOW_API = ("verl_mas.workflow", "verl_mas.episode", "verl_mas.engine", "verl_mas.client", "verl_mas.chat",
+                "verl_mas.registry", "verl_mas.workflows")
+
+# Imports a module and every module below it in a fresh interpreter; prints them and the workflow-API modules
+# loaded afterwards. verl_mas/__init__.py re-exports the public API (it imports verl_mas.workflow, .engine, ...),
+# so importing any submodule the ordinary way loads all of it: an empty stand-in for the top-level package, on
+# the same path, leaves in sys.modules only what the probed modules import themselves.
+_PROBE = """
+import importlib, importlib.util, json, pkgutil, sys, types
+root = types.ModuleType("verl_mas")
+root.__path__ = list(importlib.util.find_spec("verl_mas").submodule_search_locations)
+sys.modules["verl_mas"] = root
+name, api = sys.argv[1], sys.argv[2:]
+module = importlib.import_module(name)
+names = [name] + [m.name for m in pkgutil.walk_packages(getattr(module, "__path__", []), name + ".")]
+for n in names:
+    importlib.import_module(n)
+loaded = sorted(m for m in sys.modules if any(m == a or m.startswith(a + ".") for a in api))
+print(json.dumps({"imported": names, "api": loaded}))
+"""
+
+
+def workflow_api_imported_by(module: str) -> tuple[list[str], list[str]]:
+    """``(modules imported, workflow-API modules loaded)`` for ``module`` and its submodules, in a fresh interpreter."""
+    done = subprocess.run([sys.executable, "-c", _PROBE, module, *WORKFLOW_API], capture_output=True, text=True,
+                          check=True)
+    found = json.loads(done.stdout)
+    return found["imported"], found["api"]
+
+
+def test_the_games_import_nothing_of_the_workflow_api() -> None:
+    imported, api = workflow_api_imported_by("verl_mas.games")
+    assert {"verl_mas.games.common", "verl_mas.games.plan_path", "verl_mas.games.sokoban",
+            "verl_mas.games.sudoku"} <= set(imported)
+    assert api == []
+    # Negative control: a registered game workflow does import the workflow API, and the same probe says so.
+    _, api = workflow_api_imported_by("verl_mas.workflows.sudoku")
+    assert {"verl_mas.workflow", "verl_mas.registry", "verl_mas.workflows.tool_planner"} <= set(api)
+
 
 # ---------------------------------------------------------------------------------------------------
 # Parsing.

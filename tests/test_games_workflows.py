@@ -8,10 +8,10 @@ from typing import Any
 
 import pytest
 
+from verl_mas.games import sudoku as sd
 from verl_mas.registry import get_workflow
 from verl_mas.sandbox import SandboxError
 from verl_mas.testing import ScriptedLLM, check_workflow, run_workflow
-from verl_mas.workflows.games import sudoku as sd
 from verl_mas.workflows.plan_path import PlanPathWorkflow
 from verl_mas.workflows.sokoban import SokobanWorkflow
 from verl_mas.workflows.sudoku import SudokuWorkflow
@@ -200,6 +200,33 @@ def test_only_the_planner_moves_the_state() -> None:
     assert tool1.committed.local_reward == pytest.approx(3.44)
 
 
+# A reply that explains its plan in a ```text block before the program. The games' former fence regex took the closing
+# fence of the text block for an opening one and ran the prose between the blocks ("The program:") as the tool's
+# program; code-v0's regex took the program. Every role now reads programs with verl_mas.workflows.common.extract_code.
+EXPLAINED = f"Plan:\n```text\nBFS from P to G\n```\nThe program:\n```python\n{PATH_BFS}```\n"
+
+
+def test_a_reply_parses_the_same_for_the_games_tool_and_the_coder() -> None:
+    import re
+
+    from verl_mas.workflows.code import CodeSingleWorkflow
+    from verl_mas.workflows.common import extract_code
+
+    assert extract_code(EXPLAINED) == PATH_BFS
+    # Control: what the games' tool used to extract from the same reply.
+    old_games_fence = re.compile(r"```[ \t]*(?:python|py|python3)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
+    assert old_games_fence.findall(EXPLAINED) == ["The program:\n"]
+
+    llm = ScriptedLLM({"tool": EXPLAINED, "planner": '["R"]'})
+    tool = run_workflow(PlanPathWorkflow, PlanPathWorkflow.example_task, llm=llm, branching=1, max_turns=1).turns[0][0]
+    coder_ep = run_workflow(CodeSingleWorkflow, CodeSingleWorkflow.example_task, llm=ScriptedLLM({"coder": EXPLAINED}),
+                            branching=1)
+    coder = coder_ep.turns[0][0]
+    assert tool.committed.info["proposal"].code == coder.committed.info["code"] == PATH_BFS
+    assert not tool.committed.parse_failed and not coder.committed.parse_failed
+    assert tool.committed.local_reward == pytest.approx(4.43)  # the program ran: the shortest path (see above)
+
+
 # ---------------------------------------------------------------------------------------------------
 # Failures: the model's are rewards, the sandbox's propagate.
 
@@ -224,7 +251,7 @@ def test_sandbox_failure_aborts_the_episode_and_is_never_a_reward(monkeypatch: p
     async def broken(*args: Any, **kwargs: Any) -> Any:
         raise SandboxError("fork server died")
 
-    monkeypatch.setattr("verl_mas.workflows.games.workflow.run_python", broken)
+    monkeypatch.setattr("verl_mas.workflows.tool_planner.run_python", broken)
     llm = ScriptedLLM({"tool": fenced("print(1)\n"), "planner": '["R"]'})
     episode = run_workflow(PlanPathWorkflow, PlanPathWorkflow.example_task, llm=llm, branching=2)
     # An infrastructure failure: the episode is aborted and the unscored tool group is not trainable.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import importlib
 import json
 import os
 import subprocess
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from verl_mas.backends.hf_rollout import HFGenerationEngine, SamplingSettings, settings_from_verl
+from verl_mas.backends.hf.engine import HFGenerationEngine, SamplingSettings, settings_from_verl
 
 PROMPTS = [
     [1, 20, 30, 40, 50],
@@ -25,6 +26,27 @@ PROMPTS = [
     [1, 400, 401],
     [1, 123, 234, 345, 456, 56, 67],
 ]
+
+
+def test_the_backend_names_import_without_torch_transformers_or_ray() -> None:
+    """verl_mas._plugin imports the package in every process: only a process that runs the backend pays for it."""
+    heavy = "('torch', 'transformers', 'ray', 'verl')"
+    code = f"import sys, verl_mas.backends.hf\nprint([m for m in {heavy} if m in sys.modules])"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_the_registered_paths_resolve_to_the_backend_classes() -> None:
+    from verl.workers.rollout.base import BaseRollout
+    from verl.workers.rollout.replica import RolloutReplica
+
+    from verl_mas.backends import hf
+
+    module, _, name = hf.ADAPTER_PATH.rpartition(".")
+    adapter = getattr(importlib.import_module(module), name)
+    assert adapter.__name__ == "HFServerAdapter" and issubclass(adapter, BaseRollout)
+    replica = hf.load_replica_class()
+    assert replica.__name__ == "HFReplica" and issubclass(replica, RolloutReplica)
 
 
 @pytest.fixture(scope="module")
@@ -149,7 +171,7 @@ def test_server_actor_under_concurrent_ray_requests(tiny_model_dir: Path) -> Non
         import asyncio, json, ray
         import verl  # loads the plugin
         from verl.workers.config import RolloutConfig
-        from verl_mas.backends.hf_rollout import HFRolloutServer
+        from verl_mas.backends.hf.server import HFRolloutServer
 
         class ModelConfig:
             path = local_path = {str(tiny_model_dir)!r}

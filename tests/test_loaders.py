@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from verl_mas.workflows.loaders import check_code_task, check_math_task, load_tasks, read_records
+from verl_mas.data.loaders import load_tasks, read_records
+from verl_mas.data.tasks import check_code_task, check_math_task
 
 FIX = Path(__file__).parent / "fixtures"
 
@@ -103,14 +104,37 @@ def test_errors_name_what_and_how_to_fix(tmp_path: Path) -> None:
         load_tasks(bad, "codecontests", split="train")
 
 
-def test_loader_cli_writes_rows_the_data_module_reads(tmp_path: Path) -> None:
+def test_data_cli_writes_rows_the_data_module_reads(tmp_path: Path) -> None:
     from verl_mas.data import read_tasks
-    from verl_mas.workflows.loaders import main
+    from verl_mas.data.__main__ import main
 
-    out = tmp_path / "test.parquet"
-    assert main(["--format", "apps", "--source", str(FIX / "apps.jsonl"), "--workflow", "code-v0",
-                 "--split", "test", "--out", str(out), "--stop", "1"]) == 0
-    assert [t["id"] for t in read_tasks(out)] == ["apps-0"]
+    assert main(["code-v0", "--format", "apps", "--source", str(FIX / "apps.jsonl"),
+                 "--split", "test", "--out", str(tmp_path), "--stop", "1"]) == 0
+    assert [t["id"] for t in read_tasks(tmp_path / "test.parquet")] == ["apps-0"]
+
+
+def test_data_cli_passes_the_loader_flags(tmp_path: Path) -> None:
+    """--include-generated and --require-solution (once only on the removed loaders CLI) reach load_tasks."""
+    from verl_mas.data import read_tasks
+    from verl_mas.data.__main__ import main
+
+    def written(fmt: str, *flags: str) -> list[dict]:
+        out = tmp_path / "-".join((fmt, *flags))
+        assert main(["code-v0", "--source", str(FIX / f"{fmt}.jsonl"), "--format", fmt, "--split", "train",
+                     "--out", str(out), *flags]) == 0
+        return read_tasks(out / "train.parquet")
+
+    def inputs(*flags: str) -> list[str]:
+        return [x["input"] for x in written("codecontests", *flags)[0]["tests"]]
+
+    assert inputs() == ["1\n", "5\n", "0\n"]
+    assert inputs("--include-generated") == ["1\n", "5\n", "0\n", "7\n"]
+    assert [t["id"] for t in written("apps")] == ["apps-0", "apps-2"]
+    assert [t["id"] for t in written("apps", "--require-solution")] == ["apps-0"]
+    # Negative control: generated tasks have no loader, so the flags would do nothing there; they are refused.
+    with pytest.raises(SystemExit):
+        main(["code-v0", "--out", str(tmp_path / "gen"), "--train", "2", "--test", "2", "--require-solution"])
+    assert not (tmp_path / "gen").exists()
 
 
 @pytest.mark.parametrize("name", ["code", "math"])
@@ -132,7 +156,7 @@ def test_recipe_composes_with_paper_settings(name: str) -> None:
     assert cfg.actor_rollout_ref.actor.use_dynamic_bsz
     # Qwen3 in non-thinking mode, as in the paper: verl's own key, which the mas agent loop renders prompts with.
     assert cfg.data.apply_chat_template_kwargs == {"enable_thinking": False}
-    from verl_mas.config import check_run_config
+    from verl_mas.trainer import check_run_config
 
     check_run_config(cfg)  # the trainer's start-up checks pass (they raise listing every problem)
     assert cfg.actor_rollout_ref.model.path == "/models/Qwen3-1.7B"
@@ -203,24 +227,3 @@ def test_split_and_cap_are_validated_together(tmp_path: Path) -> None:
         load_tasks(FIX / "apps.jsonl", "mbpp", split="eval", max_train_tests=0)
     with pytest.raises(TypeError, match="split"):  # no silent default: the caller says what the tasks are for
         load_tasks(FIX / "apps.jsonl", "apps")  # type: ignore[call-arg]
-
-
-def test_loader_cli_keeps_all_tests_for_the_test_split_and_caps_training(tmp_path: Path) -> None:
-    """`python -m verl_mas.workflows.loaders` is what recipes/code/run.sh calls for both splits."""
-    from verl_mas.data import read_tasks
-    from verl_mas.workflows.loaders import main
-
-    src = _many_tests_file(tmp_path)
-
-    def tests_written(*flags: str) -> int:
-        out = tmp_path / "out.parquet"
-        assert main(["--format", "codecontests", "--source", str(src), "--workflow", "code-v0", "--out", str(out),
-                     *flags]) == 0
-        return len(read_tasks(out)[0]["tests"])
-
-    assert tests_written("--split", "test") == 40
-    assert tests_written("--split", "train") == 32
-    assert tests_written("--split", "train", "--max-tests", "8") == 8
-    assert tests_written("--split", "train", "--max-tests", "all") == 40
-    with pytest.raises(SystemExit):  # a capped test split is refused, not silently capped or ignored
-        tests_written("--split", "test", "--max-tests", "8")

@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 import torch
 
-from verl_mas.backends.hf_rollout import HFGenerationEngine, settings_from_verl
+from verl_mas.backends.hf.engine import HFGenerationEngine, settings_from_verl
 from verl_mas.config import MasConfig, MasConfigError
+from verl_mas.rows import CandidateRow
 from verl_mas.trainer import assign_groups
 
 
@@ -88,10 +89,10 @@ async def test_one_output_per_candidate_with_consistent_masks_logprobs_and_group
         extra = out.extra_fields
         assert len(out.response_ids) == len(out.response_mask) == len(out.response_logprobs) <= 6
         assert set(out.response_mask) == {1}
-        assert extra["mas_group"] == f"taskA|{extra['mas_role']}|{extra['mas_turn']}"
-        assert extra["mas_reward"] == out.reward_score
+        row = CandidateRow.from_extra_fields(extra)
+        assert row.reward == out.reward_score
         assert extra["min_global_steps"] == extra["max_global_steps"] == 3
-        groups.setdefault(extra["mas_group"], []).append(out)
+        groups.setdefault(f"taskA|{row.role}|{row.turn}", []).append(out)
     assert sorted(groups) == ["taskA|mover|0", "taskA|mover|1", "taskA|planner|0", "taskA|planner|1"]
     for members in groups.values():
         assert len(members) == 3
@@ -135,7 +136,7 @@ async def test_grouping_passes_on_real_rows_and_a_broken_key_is_caught(tiny_mode
             rows.append((uid, out.extra_fields))
     random.Random(0).shuffle(rows)  # batches interleave tasks, roles and turns
     uids = [u for u, _ in rows]
-    extras = [e for _, e in rows]
+    extras = [CandidateRow.from_extra_fields(e) for _, e in rows]
     mas = MasConfig(branching=2, max_turns=2)
     groups = assign_groups(extras, uids, np.zeros(len(rows), dtype=bool), mas)
     # 2 tasks x 2 turns x 2 roles = 8 groups of K=2 (both goals are out of reach in 2 turns).
@@ -147,8 +148,8 @@ async def test_grouping_passes_on_real_rows_and_a_broken_key_is_caught(tiny_mode
     broken_ids = np.arange(len(rows)) // 2
     problems = group_invariant_problems(
         broken_ids, groups.keys, grouping="agent_turn", sampling="tree", task_uids=uids, episodes=uids,
-        roles=[e["mas_role"] for e in extras], turns=[e["mas_turn"] for e in extras],
-        prompt_hashes=[e["mas_prompt_hash"] for e in extras])
+        roles=[e.role for e in extras], turns=[e.turn for e in extras],
+        prompt_hashes=[e.prompt_hash for e in extras])
     assert problems and all(re.search(r"group\(s\) mix (tasks|roles|turns)", p) for p in problems)
     # Padding rows never join a real group.
     padding = np.zeros(len(rows), dtype=bool)
@@ -243,7 +244,7 @@ def test_the_agent_loop_refuses_to_run_under_another_trainer(tiny_model_dir: Pat
 
 
 async def test_each_candidate_has_its_own_request_id_routed_by_its_session(tiny_model_dir: Path) -> None:
-    from verl_mas.policies import routing_key
+    from verl_mas.routing import routing_key
 
     loop, client, _ = _make_loop(tiny_model_dir, {"branching": 3, "max_turns": 2})
     await loop.run(dict(SAMPLING), **_row("taskR", {"start": 0, "goal": 5}))
@@ -308,7 +309,7 @@ async def test_every_key_of_the_mas_block_has_an_effect(tiny_model_dir: Path) ->
         extras = [dict(o.extra_fields) for o in rows]
         if tamper:
             extras[0]["mas_prompt_hash"] += 1
-        return assign_groups(extras, ["tk"] * len(rows), np.zeros(len(rows), dtype=bool), MasConfig.from_mapping(block))
+        return assign_groups([CandidateRow.from_extra_fields(e) for e in extras], ["tk"] * len(rows), np.zeros(len(rows), dtype=bool), MasConfig.from_mapping(block))
 
     tree_rows = await loop_rows({"branching": 2})
 

@@ -9,9 +9,9 @@ import textwrap
 
 import pytest
 
+from verl_mas.data.tasks import check_math_task, project_tasks
 from verl_mas.registry import get_workflow
 from verl_mas.testing import ScriptedLLM, check_workflow, run_workflow
-from verl_mas.workflows.loaders import check_math_task, project_tasks
 from verl_mas.workflows.math_tool import (
     MAX_ANSWER_CHARS,
     MathSingleWorkflow,

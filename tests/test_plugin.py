@@ -61,7 +61,7 @@ def test_import_verl_registers_the_plugin_in_a_fresh_interpreter() -> None:
     assert state["plugin_loaded"] is True
     assert "cpu" in state["platforms"]
     assert "hf" in state["rollout_replicas"]
-    assert state["rollout_adapter"] == "verl_mas.backends.hf_rollout.HFServerAdapter"
+    assert state["rollout_adapter"] == "verl_mas.backends.hf.adapter.HFServerAdapter"
     assert state["estimator"] == "verl_mas.advantage.at_grpo"
     assert state["agent_loop"] == {"_target_": "verl_mas.agent_loop.MasAgentLoop"}
     assert state["trainer"] == "verl_mas.trainer"
@@ -263,7 +263,7 @@ def test_any_import_order_registers_everything() -> None:
 
     with ThreadPoolExecutor(max_workers=2) as pool:
         results = list(pool.map(probe, modules))
-    expected = {"plugin_loaded": True, "rollout_adapter": "verl_mas.backends.hf_rollout.HFServerAdapter",
+    expected = {"plugin_loaded": True, "rollout_adapter": "verl_mas.backends.hf.adapter.HFServerAdapter",
                 "estimator": "verl_mas.advantage.at_grpo", "agent_loop": {"_target_": "verl_mas.agent_loop.MasAgentLoop"},
                 "trainer": "verl_mas.trainer"}
     broken = {}

@@ -13,7 +13,8 @@ import pytest
 from omegaconf import OmegaConf
 
 from verl_mas.config import MasConfig, MasConfigError
-from verl_mas.policies import PolicyRouterClient, policy_configs, rollout_policy
+from verl_mas.policies import policy_configs, rollout_policy
+from verl_mas.routing import PolicyRouterClient, RoleRouter
 
 TWO = {"policies": {"caller": {}, "runner": {"model": {"path": "/models/b"}}},
        "roles": {"caller": {"policy": "caller"}, "runner": {"policy": "runner"}}}
@@ -57,15 +58,16 @@ def test_a_policy_may_have_a_resource_pool_of_its_own() -> None:
 
 
 def test_routing_one_policy_serves_unlisted_roles_several_need_every_role() -> None:
-    shared = MasConfig()
+    shared = RoleRouter.from_mas(MasConfig())
     assert shared.policy_of("anyone") == "default" and not shared.multi_policy
-    assert shared.routing_problems({"relay-v0": ("caller", "runner")}) == []
-    two = MasConfig.from_mapping(TWO)
-    assert two.multi_policy and two.policy_names == ["caller", "runner"]
+    assert shared.problems({"relay-v0": ("caller", "runner")}) == []
+    two_block = MasConfig.from_mapping(TWO)
+    two = RoleRouter.from_mas(two_block)
+    assert two.multi_policy and two_block.policy_names == ["caller", "runner"]
     assert (two.policy_of("caller"), two.policy_of("runner")) == ("caller", "runner")
     with pytest.raises(MasConfigError, match="Role 'tool' is not routed"):
         two.policy_of("tool")
-    problems = two.routing_problems({"relay-v0": ("caller", "runner"), "plan-path-v0": ("tool", "planner")})
+    problems = two.problems({"relay-v0": ("caller", "runner"), "plan-path-v0": ("tool", "planner")})
     assert problems == [
         "workflow 'plan-path-v0' has roles ['tool', 'planner'] that no policy serves: with several policies "
         "(['caller', 'runner']) every role needs mas.roles.<role>.policy."
@@ -99,14 +101,14 @@ def test_policy_configs_merge_overrides_check_keys_and_tag_rollouts() -> None:
 
 
 def test_hf_server_names_are_distinct_per_policy() -> None:
-    from verl_mas.backends.hf_rollout import server_actor_name
+    from verl_mas.backends.hf.server import server_actor_name
 
     assert server_actor_name(0, 0) == "hf_server_0_0"
     assert server_actor_name(0, 0, "runner") == "hf_server_0_0_runner" != server_actor_name(0, 0, "caller")
 
 
 def test_merge_policy_metrics_prefixes_and_means() -> None:
-    from verl_mas.trainer import merge_policy_metrics
+    from verl_mas.policies.stacks import merge_policy_metrics
 
     merged = merge_policy_metrics({"a": {"actor/grad_norm": 1.0, "x": 2}, "b": {"actor/grad_norm": 3.0}})
     assert merged == {"policy/a/actor/grad_norm": 1.0, "policy/a/x": 2, "policy/b/actor/grad_norm": 3.0,
@@ -115,17 +117,18 @@ def test_merge_policy_metrics_prefixes_and_means() -> None:
 
 
 def test_routing_check_reads_the_workflows_named_by_the_data(tmp_path: Path) -> None:
-    from verl_mas.config import _roles_of_workflows
     from verl_mas.data import write_dataset
+    from verl_mas.routing import roles_of_workflows, workflows_in_data
 
     write_dataset("relay-v0", tmp_path, train=4, test=2, seed=0)
     config = OmegaConf.create({"data": {"train_files": str(tmp_path / "train.parquet"),
                                         "val_files": str(tmp_path / "test.parquet")}})
-    two = MasConfig.from_mapping(TWO)
-    assert two.routing_problems(_roles_of_workflows(config, two)) == []  # both relay roles routed
+    assert workflows_in_data(config) == ["relay-v0"]
+    roles = roles_of_workflows(workflows_in_data(config))
+    assert RoleRouter.from_mas(MasConfig.from_mapping(TWO)).problems(roles) == []  # both relay roles routed
     half = MasConfig.from_mapping({"policies": {"caller": {}, "runner": {}},
                                    "roles": {"caller": {"policy": "caller"}, "planner": {"policy": "runner"}}})
-    assert half.routing_problems(_roles_of_workflows(config, half)) == [
+    assert RoleRouter.from_mas(half).problems(roles) == [
         "workflow 'relay-v0' has roles ['runner'] that no policy serves: with several policies (['caller', 'runner']) "
         "every role needs mas.roles.<role>.policy."]
 
@@ -141,7 +144,7 @@ class _RecordingClient:
     async def generate(self, request_id: str, *, prompt_ids: list[int], sampling_params: dict, **kwargs):
         from verl.workers.rollout.replica import TokenOutput
 
-        from verl_mas.backends.hf_rollout import settings_from_verl
+        from verl_mas.backends.hf.engine import settings_from_verl
 
         assert not kwargs, f"the router must not forward its own arguments to a verl client: {kwargs}"
         self.prompts.append(list(prompt_ids))
@@ -160,7 +163,7 @@ async def test_each_role_reaches_its_policys_model(tmp_path: Path) -> None:
     from verl.experimental.agent_loop.agent_loop import DictConfigWrap
 
     from verl_mas.agent_loop import MasAgentLoop
-    from verl_mas.backends.hf_rollout import HFGenerationEngine
+    from verl_mas.backends.hf.engine import HFGenerationEngine
     from verl_mas.tiny import write_tiny
 
     small = write_tiny(tmp_path / "small", hidden_size=32, num_hidden_layers=1, seed=1)
@@ -221,7 +224,7 @@ def _cpu_recipe(tmp_path: Path, *overrides: str):
 
 
 def test_start_up_reports_every_problem_in_one_error(tmp_path: Path) -> None:
-    from verl_mas.config import check_run_config
+    from verl_mas.trainer import check_run_config
 
     # A bad route, an unused policy, a misspelled nested override, an unrouted role (relay-v0's runner),
     # a NaN alpha and a rollout setting one process reads for all policies: one error names them all.
@@ -248,7 +251,7 @@ def test_start_up_reports_every_problem_in_one_error(tmp_path: Path) -> None:
 
 
 def test_several_trainable_policies_on_vllm_are_refused_at_start_up(tmp_path: Path) -> None:
-    from verl_mas.config import check_run_config
+    from verl_mas.trainer import check_run_config
 
     cfg = _cpu_recipe(tmp_path, "mas_policies=per_role_models", "actor_rollout_ref.rollout.name=vllm")
     with pytest.raises(MasConfigError, match=r"several trainable policies \(\['caller', 'runner'\]\) with "
@@ -261,8 +264,8 @@ def test_per_policy_settings_reach_the_policys_trainer_view_and_sampling(tmp_pat
     from omegaconf import OmegaConf
 
     from verl_mas.agent_loop import MasAgentLoop
-    from verl_mas.config import check_run_config
-    from verl_mas.policies import PolicyStack
+    from verl_mas.trainer import check_run_config
+    from verl_mas.policies.stacks import PolicyStack
     from verl_mas.trainer import MasTrainer
 
     cfg = _cpu_recipe(tmp_path, "mas_policies=per_role_models", "+mas.policies.runner.actor.ppo_epochs=3",
@@ -296,7 +299,7 @@ def test_candidates_route_by_session_through_verls_load_balancer_with_ids_of_the
     from verl.workers.rollout.llm_server import LLMServerClient
     from verl.workers.rollout.router import GlobalRequestLoadBalancer
 
-    from verl_mas.policies import SessionRoutedClient, candidate_request_id, routing_key
+    from verl_mas.routing import SessionRoutedClient, candidate_request_id, routing_key
 
     @ray.remote
     class Server:

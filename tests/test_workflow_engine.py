@@ -177,6 +177,35 @@ async def test_tie_break_first_and_seeded_random():
     assert len(set(picks)) > 1  # and actually random across seeds
 
 
+class _InfoWorkflow(Workflow):
+    """The solver's candidates keep their parsed number in ``info``; the reader is told the committed one's."""
+
+    roles = ("solver", "reader")
+
+    async def run(self, task):
+        solvers = await self.generate("solver", [user("Say a number.")])
+        for c in solvers:
+            value = int(c.text) if c.text.strip().isdigit() else None
+            c.info["value"] = value
+            c.reward = float(value or 0)
+        readers = await self.generate("reader", [user(f"The solver said {solvers.best().info['value']}.")])
+        for c in readers:
+            c.reward = 0.0
+
+
+async def test_info_set_while_scoring_is_read_back_from_the_committed_candidate():
+    llm = ScriptedLLM({"solver": ["3", "7", "x", "5"], "reader": ["ok"]})
+    episode = await arun_workflow(_InfoWorkflow, {}, llm, branching=4)
+    solvers, readers = episode.groups
+    assert solvers.committed.index == 1 and solvers.committed.info == {"value": 7}
+    assert episode.committed_branch[0].info["value"] == 7  # the episode record keeps it
+    assert "The solver said 7." in _requests(llm, "reader")[0].messages[-1]["content"]
+    # Control: every candidate keeps its own data, and a candidate the workflow stored nothing on has an empty dict.
+    assert [c.info for c in solvers.all] == [{"value": 3}, {"value": 7}, {"value": None}, {"value": 5}]
+    assert all(c.info == {} for c in readers.all)
+    assert len({id(c.info) for c in episode.candidates}) == len(episode.candidates)  # no dict shared
+
+
 # --------------------------------------------------------------------------------------------------
 # Failures: model mistakes, infrastructure, workflow bugs, client bugs.
 

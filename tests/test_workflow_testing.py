@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
+import verl_mas.testing
 from verl_mas import GenerateRequest, InfraError, Workflow, user
 from verl_mas.run import main as cli_main
 from verl_mas.testing import (
@@ -229,3 +234,79 @@ def test_cli_loads_a_saved_tokenizer(tmp_path, capsys):
     argv = ["toy-walk-v0", "--tokenizer", str(tmp_path), "--task", '{"start": 0, "goal": -1}', "--llm", "scripted"]
     assert cli_main([*argv, "--reply", "planner=left", "--reply", "mover=left", "--branching", "1"]) == 0
     assert "terminated after 1 turns" in capsys.readouterr().out
+
+
+# --------------------------------------------------------------------------------------------------
+# The package's layering: llms <- runner <- conformance, with no import cycle (one used to be dodged
+# by a function-level import).
+
+
+def _submodule_imports(package_dir: Path, package: str) -> dict[str, set[str]]:
+    """For each module of ``package``, the package's modules it imports anywhere (function bodies too).
+
+    ``"__init__"`` stands for the package itself, which a module imports with ``from package import NAME``
+    (its ``__init__`` imports every submodule, so that closes a cycle).
+    """
+    modules = {path.stem for path in package_dir.glob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for module in modules:
+        targets: set[str] = set()
+        for node in ast.walk(ast.parse((package_dir / f"{module}.py").read_text())):
+            if isinstance(node, ast.Import):
+                imported = [(alias.name, []) for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level <= 1:
+                base = (node.module or "") if node.level == 0 else ".".join(filter(None, [package, node.module]))
+                imported = [(base, [alias.name for alias in node.names])]
+            else:
+                continue
+            for name, names in imported:
+                if name == package:
+                    subs = [n for n in names if n in modules]
+                    targets.update(subs if subs and len(subs) == len(names) else ["__init__", *subs])
+                elif name.startswith(package + "."):
+                    targets.add(name[len(package) + 1 :].split(".")[0])
+        graph[module] = targets - {module}
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """Pairs of modules that import each other, directly or through others."""
+
+    def reach(start: str) -> set[str]:
+        seen: set[str] = set()
+        todo = list(graph.get(start, ()))
+        while todo:
+            node = todo.pop()
+            if node not in seen:
+                seen.add(node)
+                todo.extend(graph.get(node, ()))
+        return seen
+
+    reachable = {module: reach(module) for module in graph}
+    return sorted({tuple(sorted((a, b))) for a in graph for b in reachable[a] if b != a and a in reachable.get(b, ())})
+
+
+def test_the_cycle_checker_finds_cycles_it_is_meant_to_catch(tmp_path: Path) -> None:
+    """Negative control: a synthetic package with the cycles this guards against, and a clean twin."""
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("from pkg.low import f\nfrom pkg.high import g\n")
+    (pkg / "low.py").write_text("def f():\n    from pkg.high import g  # hidden in a function\n    return g\n")
+    (pkg / "high.py").write_text("from .low import f\n\ndef g():\n    return f\n")
+    assert _cycles(_submodule_imports(pkg, "pkg")) == [("high", "low")]
+    (pkg / "low.py").write_text("def f():\n    from pkg import g  # through the package's public face\n    return g\n")
+    assert ("__init__", "low") in _cycles(_submodule_imports(pkg, "pkg"))
+    (pkg / "low.py").write_text("def f():\n    return 1\n")
+    assert _cycles(_submodule_imports(pkg, "pkg")) == []
+    assert _submodule_imports(pkg, "pkg") == {"__init__": {"low", "high"}, "low": set(), "high": {"low"}}
+
+
+def test_the_testing_package_has_no_import_cycle() -> None:
+    package_dir = Path(verl_mas.testing.__file__).parent
+    graph = _submodule_imports(package_dir, "verl_mas.testing")
+    assert {"llms", "runner", "conformance"} <= set(graph)
+    assert _cycles(graph) == [], graph
+    # And each module imports on its own in a fresh interpreter (a top-level cycle would fail here).
+    for module in ["verl_mas.testing", *(f"verl_mas.testing.{m}" for m in sorted(graph) if m != "__init__")]:
+        proc = subprocess.run([sys.executable, "-c", f"import {module}"], capture_output=True, text=True)
+        assert proc.returncode == 0, f"import {module}: {proc.stderr[-2000:]}"

@@ -42,7 +42,7 @@ def _register() -> None:
     REGISTERED["platform"] = [cpu_platform.PLATFORM_NAME]
 
     # The hf rollout backend: lazy loaders, the module is imported only when selected.
-    from verl_mas.backends.hf_rollout_names import ADAPTER_PATH, BACKEND_NAME, load_replica_class
+    from verl_mas.backends.hf import ADAPTER_PATH, BACKEND_NAME, load_replica_class
 
     RolloutReplicaRegistry.register(BACKEND_NAME, load_replica_class)
     rollout_base._ROLLOUT_REGISTRY[(BACKEND_NAME, "async")] = ADAPTER_PATH
@@ -54,12 +54,15 @@ def _register() -> None:
     at_grpo.register()
     REGISTERED["adv_estimator"] = [at_grpo.ESTIMATOR_NAME]
 
-    # The agent loop that runs workflow episodes (rows with agent_name "mas"). verl instantiates it from
-    # its dotted path, so the module is imported only in the agent-loop workers that use it.
+    # The agent loop that runs workflow episodes (rows with the agent_name python -m verl_mas.data writes).
+    # verl instantiates it from its dotted path, so the module is imported only in the agent-loop workers
+    # that use it.
     from verl.experimental.agent_loop.agent_loop import _agent_loop_registry
 
-    _agent_loop_registry["mas"] = {"_target_": "verl_mas.agent_loop.MasAgentLoop"}
-    REGISTERED["agent_loop"] = ["mas"]
+    from verl_mas.data import AGENT_NAME
+
+    _agent_loop_registry[AGENT_NAME] = {"_target_": "verl_mas.agent_loop.MasAgentLoop"}
+    REGISTERED["agent_loop"] = [AGENT_NAME]
 
     # The trainer mode (trainer.v1.trainer_mode=mas). When a program imports verl_mas.trainer before
     # verl, this runs while that module is still being imported (it imports verl first): the module's

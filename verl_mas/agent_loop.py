@@ -8,12 +8,13 @@ verl's AgentLoopWorker instantiates this class for rows whose ``agent_name`` is 
    verl's LLM server client, token ids in and out, K concurrent single-sample requests per group, one
    sticky request id per (episode, role);
 3. returns one :class:`AgentLoopOutput` per *trainable* candidate (infrastructure failures are dropped,
-   never trained on), with the sampled ids, their rollout log-probs, and explicit ``mas_*`` fields for
-   role, turn, group key, rewards, flags and a prompt hash that the ``mas`` trainer checks.
+   never trained on), with the sampled ids, their rollout log-probs, and a :class:`verl_mas.rows.CandidateRow`
+   in ``extra_fields`` (role, turn, policy, rewards, the committed flag, a prompt hash the ``mas`` trainer checks).
 
 verl copies the last output's ``reward_score`` onto the earlier outputs of a run, so each candidate's own
-reward travels in ``extra_fields["mas_reward"]``; the ``mas`` trainer rebuilds the token-level scores
-from it. For the same reason the loop refuses to run under any trainer mode but ``mas``.
+reward travels in its row; the ``mas`` trainer rebuilds the token-level scores from it. For the same
+reason the loop refuses to run under any trainer mode but ``mas``. Each role's requests go to its
+policy's servers through :class:`verl_mas.routing.RoleRoutedClient`.
 
 Failures: a rollout server that is gone (a lost actor, a timeout) is an infrastructure failure (the
 candidate is dropped, and an episode left without candidates is aborted); a server that *raises* on a
@@ -26,7 +27,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopMetrics, AgentLoopOutput
@@ -36,18 +37,11 @@ from verl_mas.config import MasConfig, mas_trainer_selected
 from verl_mas.engine import run_episode
 from verl_mas.episode import GROUP_KEY_SEP, Candidate, Episode
 from verl_mas.errors import InfraError
-from verl_mas.policies import candidate_request_id
+from verl_mas.routing import RoleRoutedClient, RoleRouter, candidate_request_id
+from verl_mas.rows import CandidateRow, prompt_hash
 
 logger = logging.getLogger(__name__)
 
-#: ``agent_name`` of the rows this loop serves.
-AGENT_NAME = "mas"
-
-
-def prompt_hash(prompt_ids: list[int]) -> int:
-    """A 63-bit hash of a prompt's token ids (the trainer compares them within each group)."""
-    digest = hashlib.blake2b(json.dumps(prompt_ids).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
 
 def episode_seed(uid: str, session_id: int) -> int:
@@ -72,31 +66,26 @@ class VerlServerClient:
 
     verl's servers take one sample per request, so a group of K is K concurrent requests of the same
     prompt ids, each with its own request id routed by the (episode, role) session
-    (:func:`verl_mas.policies.candidate_request_id`). A lost server (Ray actor errors, timeouts, a server
+    (:func:`verl_mas.routing.candidate_request_id`). A lost server (Ray actor errors, timeouts, a server
     out of memory) is an infrastructure failure: the candidate is dropped. A server that raises on the
     request (e.g. verl's "leaves no room to generate") raises :class:`RolloutServerError`.
+
+    Args:
+        server_manager: verl's client (with several policies a :class:`verl_mas.routing.PolicyRouterClient`).
+        sampling_params: verl's sampling parameters, with the policy's own settings over them.
+        policy: The policy whose servers answer (None: verl's single stack).
     """
 
-    def __init__(
-        self,
-        server_manager: Any,
-        sampling_params: Mapping[str, Any],
-        policy_of: Callable[[str], str] | None = None,
-        sampling_of: Mapping[str, Mapping[str, Any]] | None = None,
-    ) -> None:
+    def __init__(self, server_manager: Any, sampling_params: Mapping[str, Any], policy: str | None = None) -> None:
         self.server_manager = server_manager
         self.sampling_params = dict(sampling_params)
-        # With several policies each role's requests carry its policy (verl_mas.policies.PolicyRouterClient)
-        # and the policy's own sampling settings (temperature, top_p, top_k) over verl's.
-        self.policy_of = policy_of
-        self.sampling_of = {k: dict(v) for k, v in (sampling_of or {}).items()}
+        self.policy = policy
 
     async def generate(self, request: GenerateRequest) -> list[Sample]:
         import ray
 
-        policy = self.policy_of(request.role) if self.policy_of is not None else None
-        routing = {"policy": policy} if policy is not None else {}
-        sampling = {**self.sampling_params, **self.sampling_of.get(policy or "", {})}
+        routing = {"policy": self.policy} if self.policy is not None else {}
+        sampling = self.sampling_params
         turn = int(request.group_key.rpartition(GROUP_KEY_SEP)[2])
 
         async def one(i: int) -> Sample:
@@ -146,6 +135,7 @@ class MasAgentLoop(AgentLoopBase):
                 "(with algorithm.adv_estimator=at_grpo), as recipes/at_grpo_cpu does."
             )
         self.mas_config = MasConfig.from_verl_config(self.config)
+        self.router = RoleRouter.from_mas(self.mas_config)
         if self.mas_config.sandbox:
             # Workflows run model-written code through verl_mas.sandbox.run_python(): configure it from mas.sandbox.
             from verl_mas import sandbox
@@ -181,9 +171,13 @@ class MasAgentLoop(AgentLoopBase):
         # verl does not tell an agent loop whether it runs a validation step; validation rows carry the
         # split python -m verl_mas.data wrote into extra_info.
         validate = (kwargs.get("extra_info") or {}).get("split") == "test"
-        policy_of = self.mas_config.policy_of if self.mas_config.multi_policy else None
-        client = VerlServerClient(self.server_manager, sampling_params, policy_of=policy_of,
-                                  sampling_of=self._policy_sampling(validate))
+        # Each role's requests reach its policy's servers, sampled with the policy's own settings over verl's.
+        own = self._policy_sampling(validate)
+        client = RoleRoutedClient.from_router(self.router, {
+            name: VerlServerClient(self.server_manager, {**sampling_params, **own.get(name, {})},
+                                   policy=name if self.router.multi_policy else None)
+            for name in self.router.policies
+        })
         episode = await run_episode(
             workflow_id,
             task,
@@ -258,21 +252,22 @@ class MasAgentLoop(AgentLoopBase):
                 "sampled token (actor_rollout_ref.rollout.calculate_log_probs=True)."
             )
         reward = float(cand.reward)  # the engine guarantees a finite reward on every trainable candidate
+        row = CandidateRow(
+            workflow=workflow_id,
+            role=cand.role,
+            turn=int(cand.turn),
+            policy=self.router.policy_of(cand.role),
+            reward=reward,
+            team_reward=float("nan") if cand.team_reward is None else float(cand.team_reward),
+            local_reward=float("nan") if cand.local_reward is None else float(cand.local_reward),
+            committed=bool(cand.committed),
+            prompt_hash=prompt_hash(cand.prompt_ids),
+            episode_index=index,
+            episode_metrics=episode_metrics,
+        )
         extra = {
-            "mas_workflow": workflow_id,
-            "mas_role": cand.role,
-            "mas_policy": self.mas_config.policy_of(cand.role),
-            "mas_turn": int(cand.turn),
-            "mas_group": cand.group_key,
-            "mas_reward": reward,
-            "mas_team_reward": float("nan") if cand.team_reward is None else float(cand.team_reward),
-            "mas_local_reward": float("nan") if cand.local_reward is None else float(cand.local_reward),
-            "mas_committed": bool(cand.committed),
-            "mas_parse_failed": bool(cand.parse_failed),
-            "mas_prompt_hash": prompt_hash(list(cand.prompt_ids)),
-            "mas_episode_index": index,
-            "mas_episode_turns": int(episode.num_turns),
-            "mas_episode_metrics": episode_metrics,
+            **row.to_extra_fields(),
+            # verl's own fields: validation's per-source metrics and the weight versions that sampled the row.
             "reward_extra_info": dict(reward_extra_info),
             "global_steps": max_steps,
             "min_global_steps": min_steps,

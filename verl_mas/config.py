@@ -32,7 +32,7 @@ from typing import Any
 from verl_mas.advantage.groups import GROUPING_MODES
 from verl_mas.episode import EpisodeConfig, EpisodeSettings
 
-__all__ = ["MasConfig", "MasConfigError", "check_run_config"]
+__all__ = ["ABLATIONS", "MAS_TRAINER_MARK", "MasConfig", "MasConfigError", "mas_trainer_selected"]
 
 #: ``mas.sampling`` values: K candidates per node of one episode, or K independent episodes per task.
 SAMPLINGS = ("tree", "parallel")
@@ -44,12 +44,6 @@ POLICY_RESOURCES = "resources"
 _POLICY_NAME = re.compile(r"[A-Za-z][A-Za-z0-9-]{0,31}")
 #: Settings a role may have under ``mas.roles.<role>``.
 ROLE_KEYS = ("policy", "chat_template_kwargs")
-#: Keys of ``actor_rollout_ref.rollout`` that one process reads for every policy (verl's agent-loop workers
-#: size, sample and post-process every request with the first policy's values), so a policy cannot change them.
-SHARED_ROLLOUT_KEYS = ("n", "prompt_length", "response_length", "max_model_len", "calculate_log_probs", "agent",
-                       "multi_turn", "mode", "name", "full_determinism")
-#: Rollout backends whose servers are named and weight-synced per policy (``rollout.custom.mas_policy``).
-POLICY_AWARE_ROLLOUTS = ("hf",)
 #: The paper's comparisons as Hydra overrides of a recipe (what each computes: docs/training.md, "Ablations").
 #: The learning benchmark and the main_ppo tests run exactly these.
 ABLATIONS: dict[str, tuple[str, ...]] = {
@@ -234,38 +228,6 @@ class MasConfig(EpisodeSettings):
     def multi_policy(self) -> bool:
         return len(self.policies) > 1
 
-    def policy_of(self, role: str) -> str:
-        """The policy that serves ``role``.
-
-        Raises:
-            MasConfigError: Several policies are declared and ``role`` is not routed to one.
-        """
-        settings = self.roles.get(role) or {}
-        policy = settings.get("policy")
-        if policy is not None:
-            return str(policy)
-        if len(self.policies) == 1:
-            return next(iter(self.policies))
-        raise MasConfigError(
-            f"Role {role!r} is not routed to a policy: mas.policies declares {list(self.policies)} and "
-            f"mas.roles has no entry for {role!r}. Add mas.roles.{role}.policy=<one of them>."
-        )
-
-    def routing_problems(self, roles_by_workflow: Mapping[str, tuple[str, ...]]) -> list[str]:
-        """Problems routing the roles of the given workflows (all unrouted roles, reported together)."""
-        if len(self.policies) == 1:
-            return []
-        out = []
-        for workflow_id, roles in sorted(roles_by_workflow.items()):
-            missing = [r for r in roles
-                       if not isinstance(self.roles.get(r), Mapping) or self.roles[r].get("policy") is None]
-            if missing:
-                out.append(
-                    f"workflow {workflow_id!r} has roles {missing} that no policy serves: with several policies "
-                    f"({list(self.policies)}) every role needs mas.roles.<role>.policy."
-                )
-        return out
-
     @property
     def episode_config(self) -> EpisodeConfig:
         """The engine's view of this block (training episodes)."""
@@ -344,7 +306,6 @@ class MasConfig(EpisodeSettings):
         return cls.from_mapping(block)
 
 
-
 #: Set by the ``mas`` trainer in ``trainer.v1`` (which then reads ``trainer_mode: sync`` for verl's own checks):
 #: the ``mas`` agent loop refuses to run without it.
 MAS_TRAINER_MARK = "mas_trainer"
@@ -355,133 +316,3 @@ def mas_trainer_selected(config: Any) -> bool:
     trainer = config.get("trainer", None) if hasattr(config, "get") else None
     v1 = (trainer.get("v1", None) if trainer is not None else None) or {}
     return v1.get("trainer_mode", None) == "mas" or bool(v1.get(MAS_TRAINER_MARK, False))
-
-
-def check_run_config(config: Any) -> tuple[MasConfig, dict[str, Any]]:
-    """Every start-up problem of a verl_mas run, collected in one pass and raised once.
-
-    Checks the ``mas:`` block, the algorithm and sampling settings it implies, every policy's overrides
-    (unknown keys, keys one process reads for all policies, rollout backends that cannot serve several
-    policies) and the routing of every role of every workflow in the data.
-
-    Args:
-        config: verl's full config (``algorithm``, ``actor_rollout_ref``, ``data``, ``mas``, ...).
-
-    Returns:
-        The ``mas:`` block and each policy's full ``actor_rollout_ref``.
-
-    Raises:
-        MasConfigError: listing every problem, each with its fix.
-    """
-    from verl_mas.advantage.at_grpo import ESTIMATOR_NAME, SINGLETON_KEY
-    from verl_mas.policies import policy_configs_and_problems
-
-    block = config.get("mas", None) if hasattr(config, "get") else None
-    mas, problems = MasConfig.parse(block)
-    algorithm = config.algorithm
-    estimator = algorithm.adv_estimator
-    if estimator != ESTIMATOR_NAME:
-        problems.append(
-            f"algorithm.adv_estimator is {estimator!r}, but trainer.v1.trainer_mode=mas builds AT-GRPO groups "
-            f"for the {ESTIMATOR_NAME!r} estimator. Set algorithm.adv_estimator={ESTIMATOR_NAME}."
-        )
-    chosen = algorithm.get(SINGLETON_KEY, None)
-    if chosen is not None and chosen != mas.singleton_advantage:
-        problems.append(
-            f"algorithm.{SINGLETON_KEY} is {chosen!r} but mas.singleton_advantage is {mas.singleton_advantage!r}; "
-            f"the mas trainer sets algorithm.{SINGLETON_KEY} from mas.singleton_advantage. Set only the latter."
-        )
-    n = int(config.actor_rollout_ref.rollout.n)
-    if mas.sampling == "tree" and n != 1:
-        problems.append(
-            f"actor_rollout_ref.rollout.n is {n}, but mas.sampling=tree samples K={mas.branching} candidates "
-            "inside each episode; extra sessions would be independent episodes. Set rollout.n=1."
-        )
-    if mas.sampling == "parallel" and n < 2:
-        problems.append(
-            "mas.sampling=parallel draws K independent episodes per task through verl's rollout.n; set "
-            "actor_rollout_ref.rollout.n=K (e.g. 4)."
-        )
-    if mas.grouping == "trajectory" and mas.sampling != "parallel":
-        problems.append(
-            "mas.grouping=trajectory normalises each episode's outcome over the task's episodes, but "
-            f"mas.sampling={mas.sampling} runs one episode per task, so every group would be a singleton "
-            "(no signal). Use mas.sampling=parallel mas.branching=1 actor_rollout_ref.rollout.n=K."
-        )
-    configs: dict[str, Any] = {}
-    if isinstance(mas.policies, Mapping) and mas.policies:
-        configs, override_problems = policy_configs_and_problems(config.actor_rollout_ref, mas)
-        problems.extend(override_problems)
-        if configs:
-            problems.extend(_shared_rollout_problems(configs, mas))
-    if mas.multi_policy and isinstance(mas.roles, Mapping):
-        problems.extend(mas.routing_problems(_roles_of_workflows(config, mas)))
-    if problems:
-        raise MasConfigError(
-            f"verl_mas cannot start: {len(problems)} problem(s) in the config:\n  - " + "\n  - ".join(problems)
-        )
-    return mas, configs
-
-
-def _shared_rollout_problems(configs: Mapping[str, Any], mas: MasConfig) -> list[str]:
-    """Per-policy rollout settings that verl reads once for all policies, and backends that are not policy-aware."""
-    out: list[str] = []
-    names = list(configs)
-    first = configs[names[0]].rollout
-    for name in names[1:]:
-        rollout = configs[name].rollout
-        for key in SHARED_ROLLOUT_KEYS:
-            if rollout.get(key, None) != first.get(key, None):
-                out.append(
-                    f"mas.policies.{name}.rollout.{key} is {rollout.get(key, None)!r} but the first policy's is "
-                    f"{first.get(key, None)!r}: verl's agent-loop workers size, sample and post-process every "
-                    f"request with one actor_rollout_ref.rollout.{key}, so a policy cannot change it. Set it in "
-                    "actor_rollout_ref.rollout for every policy."
-                )
-        val_n = (rollout.get("val_kwargs", None) or {}).get("n", None)
-        if val_n != (first.get("val_kwargs", None) or {}).get("n", None):
-            out.append(
-                f"mas.policies.{name}.rollout.val_kwargs.n is {val_n!r}: validation sessions per task are one "
-                "setting for all policies. Set actor_rollout_ref.rollout.val_kwargs.n instead."
-            )
-    if mas.multi_policy:
-        backends = sorted({str(c.rollout.name) for c in configs.values()} - set(POLICY_AWARE_ROLLOUTS))
-        if backends:
-            out.append(
-                f"several trainable policies ({names}) with actor_rollout_ref.rollout.name={backends[0]!r}: verl "
-                "0.9.1's vLLM/SGLang hybrid servers derive their actor names and weight-sync sockets from the "
-                "replica rank inside one worker group, so a second policy's servers collide with the first's "
-                "(generation and weight sync reach the wrong model). Only the policy-aware backends "
-                f"{list(POLICY_AWARE_ROLLOUTS)} can serve several policies today; use one shared policy on "
-                f"{backends[0]}, or rollout.name=hf (docs/policies.md)."
-            )
-    return out
-
-
-def _roles_of_workflows(config: Any, mas: MasConfig) -> dict[str, tuple[str, ...]]:
-    """The roles of every workflow named by the train/validation rows (or mas.workflow)."""
-    from verl_mas.registry import get_workflow
-
-    return {w: tuple(get_workflow(w).roles)
-            for w in workflows_in_data(config) or ([mas.workflow] if mas.workflow else [])}
-
-
-def workflows_in_data(config: Any) -> list[str]:
-    """Workflow ids named by the rows of the train and validation parquet files (``extra_info.workflow``)."""
-    import os
-
-    import pyarrow.parquet as pq
-
-    found: set[str] = set()
-    for key in ("train_files", "val_files"):
-        files = config.data.get(key)
-        if not files:
-            continue
-        for path in [files] if isinstance(files, str) else list(files):
-            if not os.path.exists(path):
-                continue  # verl reports missing data files itself
-            table = pq.read_table(path, columns=["extra_info"])
-            for info in table.column("extra_info").to_pylist():
-                if info and info.get("workflow"):
-                    found.add(str(info["workflow"]))
-    return sorted(found)

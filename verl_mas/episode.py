@@ -137,6 +137,12 @@ class Candidate:
     Set a reward on every candidate: either ``reward`` directly, or ``team_reward`` and/or
     ``local_reward``, which mix as ``reward = alpha * team_reward + local_reward`` (a missing part
     counts as 0). Mark unparsable outputs with ``parse_failed = True`` (a metric counts them).
+
+    ``info`` is the workflow's own per-candidate data: store what scoring computed (the parsed answer,
+    the extracted program, its execution result or score) on each candidate, and read it back from the
+    one :meth:`Candidates.best` commits (``group.best().info["score"]``) instead of mapping the committed
+    candidate back to a position or keeping a side dict. The engine and the trainer never read it and it
+    is not part of the training batch; ``extra`` is the backend's (what the server returned with the sample).
     """
 
     role: str
@@ -156,6 +162,8 @@ class Candidate:
     """False when the sample was lost to an infrastructure failure (or left unrewarded by an aborted episode)."""
     infra_error: str | None = None
     extra: Mapping[str, Any] = field(default_factory=dict)
+    info: dict[str, Any] = field(default_factory=dict)
+    """The workflow's per-candidate data (see the class docstring); starts empty, never read by the engine."""
     parse_failed: bool = False
     committed: bool = False
     alpha: float = field(default=1.0, repr=False)

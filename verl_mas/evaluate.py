@@ -34,17 +34,18 @@ from typing import Any
 from verl_mas.client import GenerateRequest, LLMClient, Sample
 from verl_mas.engine import run_episode
 from verl_mas.episode import EpisodeConfig
+from verl_mas.routing import RoleRoutedClient, RoleRouter, roles_of_workflows
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["LocalModelClient", "RoleRoutedClient", "evaluate", "main"]
+__all__ = ["LocalModelClient", "evaluate", "main"]
 
 
 class LocalModelClient:
     """:class:`verl_mas.LLMClient` over a local transformers model (the hf backend's batched engine)."""
 
     def __init__(self, model_path: str, *, temperature: float = 0.0, max_tokens: int = 256, seed: int = 0) -> None:
-        from verl_mas.backends.hf_rollout import HFGenerationEngine, SamplingSettings
+        from verl_mas.backends.hf.engine import HFGenerationEngine, SamplingSettings
 
         self.engine = HFGenerationEngine.from_pretrained(model_path, seed=seed)
         self._settings = SamplingSettings(max_tokens=max_tokens, temperature=temperature)
@@ -52,23 +53,6 @@ class LocalModelClient:
     async def generate(self, request: GenerateRequest) -> list[Sample]:
         results = await asyncio.gather(*(self.engine.generate(request.prompt_ids, self._settings) for _ in range(request.n)))
         return [Sample(token_ids=r.token_ids, logprobs=r.log_probs, stop_reason=r.stop_reason) for r in results]
-
-
-class RoleRoutedClient:
-    """:class:`verl_mas.LLMClient` that serves each role with its own client (``default`` for the others)."""
-
-    def __init__(self, by_role: dict[str, LLMClient], default: LLMClient | None = None) -> None:
-        self.by_role = dict(by_role)
-        self.default = default
-
-    async def generate(self, request: GenerateRequest) -> list[Sample]:
-        client = self.by_role.get(request.role, self.default)
-        if client is None:
-            raise ValueError(
-                f"No model serves role {request.role!r}: give it one with --role {request.role}=MODEL, or pass "
-                "--model for every role not listed."
-            )
-        return await client.generate(request)
 
 
 def parse_role_models(specs: Sequence[str]) -> dict[str, str]:
@@ -114,7 +98,7 @@ async def evaluate(
 
     Args:
         rows: Dataset rows as written by ``python -m verl_mas.data`` (``data_source``, ``extra_info``).
-        client: Serves every role (one model for all roles; pass a routing client for several).
+        client: Serves every role (one model for all roles; a :class:`verl_mas.routing.RoleRoutedClient` for several).
         tokenizer: Renders prompts with its chat template.
         config: Branching, turns, alpha (use ``branching=1`` for single-sample accuracy).
 
@@ -189,12 +173,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     paths = ([args.model] if args.model else []) + list(role_models.values())
     tokenizer = shared_tokenizer(paths)
     rows = [row for path in args.data for row in _read_rows(path)][: args.limit]
+    # The router training uses: here each model directory is a policy, --model the default one.
+    router = RoleRouter(role_models, list(dict.fromkeys(paths)), default=args.model,
+                        route="--role {role}=MODEL (or --model for every role not listed)")
+    problems = router.problems(roles_of_workflows(str(row["extra_info"]["workflow"]) for row in rows))
+    if problems:
+        raise SystemExit("python -m verl_mas.evaluate: " + " ".join(problems))
     engines = {
         path: LocalModelClient(path, temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
         for path in dict.fromkeys(paths)
     }
-    client = RoleRoutedClient({role: engines[path] for role, path in role_models.items()},
-                              default=engines[args.model] if args.model else None)
+    client = RoleRoutedClient.from_router(router, engines)
     config = EpisodeConfig(branching=args.branching, max_turns=args.max_turns, alpha=args.alpha,
                            chat_template_kwargs=dict(args.chat_template_kwargs))
     report = asyncio.run(evaluate(rows, client=client, tokenizer=tokenizer, config=config, seed=args.seed))

@@ -87,6 +87,24 @@ def _check(
         raise ValueError("Invalid PPO mini-batch settings:\n  - " + "\n  - ".join(problems))
 
 
+def _steps_and_unit(
+    train_batch_size: int,
+    ppo_mini_batch_size: int,
+    rollout_n: int,
+    dp_size: int,
+    micro_batch_size_per_gpu: int | None,
+    micro_batches_divisible_by: int,
+    **checked: Any,
+) -> tuple[int, int]:
+    """Check the settings (and ``checked``: rows, padding, log-prob micro sizes); stock verl's step count ``S`` and
+    the smallest accepted mini-batch ``G``."""
+    _check(dict(train_batch_size=train_batch_size, ppo_mini_batch_size=ppo_mini_batch_size, rollout_n=rollout_n,
+                dp_size=dp_size, micro_batch_size_per_gpu=micro_batch_size_per_gpu,
+                micro_batches_divisible_by=micro_batches_divisible_by), **checked)
+    return (optimizer_steps_for(train_batch_size, ppo_mini_batch_size),
+            _unit(rollout_n, dp_size, micro_batch_size_per_gpu, micro_batches_divisible_by))
+
+
 def batch_multiple_for(
     *,
     train_batch_size: int,
@@ -129,17 +147,8 @@ def batch_multiple_for(
     Raises:
         ValueError: a setting is not a positive integer.
     """
-    settings = dict(
-        train_batch_size=train_batch_size,
-        ppo_mini_batch_size=ppo_mini_batch_size,
-        rollout_n=rollout_n,
-        dp_size=dp_size,
-        micro_batch_size_per_gpu=micro_batch_size_per_gpu,
-        micro_batches_divisible_by=micro_batches_divisible_by,
-    )
-    _check(settings, log_prob_micro=log_prob_micro_batch_sizes_per_gpu)
-    steps = optimizer_steps_for(train_batch_size, ppo_mini_batch_size)
-    unit = _unit(rollout_n, dp_size, micro_batch_size_per_gpu, micro_batches_divisible_by)
+    steps, unit = _steps_and_unit(train_batch_size, ppo_mini_batch_size, rollout_n, dp_size, micro_batch_size_per_gpu,
+                                  micro_batches_divisible_by, log_prob_micro=log_prob_micro_batch_sizes_per_gpu)
     if micro_batch_size_per_gpu is None and micro_batches_divisible_by > 1:
         # dynamic batch size with a virtual pipeline needs >= micro_batches_divisible_by rows per rank
         unit = math.lcm(unit, dp_size * micro_batches_divisible_by)
@@ -199,17 +208,8 @@ def ppo_mini_batch_size_for(
         ValueError: no mini-batch size exists that verl accepts for ``rows`` (it is not a multiple of
             ``dp_size`` or of ``G``, or every row is padding), or a setting is not a positive integer.
     """
-    settings = dict(
-        train_batch_size=train_batch_size,
-        ppo_mini_batch_size=ppo_mini_batch_size,
-        rollout_n=rollout_n,
-        dp_size=dp_size,
-        micro_batch_size_per_gpu=micro_batch_size_per_gpu,
-        micro_batches_divisible_by=micro_batches_divisible_by,
-    )
-    _check(settings, rows, padding_rows=padding_rows)
-    target = optimizer_steps_for(train_batch_size, ppo_mini_batch_size)
-    unit = _unit(rollout_n, dp_size, micro_batch_size_per_gpu, micro_batches_divisible_by)
+    target, unit = _steps_and_unit(train_batch_size, ppo_mini_batch_size, rollout_n, dp_size, micro_batch_size_per_gpu,
+                                   micro_batches_divisible_by, rows=rows, padding_rows=padding_rows)
     fix = (
         "Pad the batch with verl_mas.minibatch.batch_multiple_for(...) from the trainer's "
         "_get_required_batch_multiple (verl's _balance_batch pads to it)."

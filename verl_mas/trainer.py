@@ -1,9 +1,10 @@
-"""The ``mas`` trainer mode: verl's synchronous PPO trainer with AT-GRPO groups, checks and per-role metrics.
+"""The ``mas`` trainer mode: one AT-GRPO step inside verl's synchronous PPO trainer.
 
-Selected with ``trainer.v1.trainer_mode=mas`` (registered through ``register_trainer``). It changes one
-step of verl's pipeline, the advantage computation:
+Selected with ``trainer.v1.trainer_mode=mas`` (registered through ``register_trainer``). At start-up it
+checks the whole run config in one pass (:func:`check_run_config`) and adapts verl's config
+(:func:`prepare_verl_config`). In every step it changes verl's advantage computation:
 
-1. fetch the ``mas_*`` fields the agent loop stored with every candidate;
+1. fetch the :class:`verl_mas.rows.CandidateRow` the agent loop stored with every candidate;
 2. rebuild the token-level scores from each candidate's own reward (verl copies the last output's score
    onto the earlier outputs of a run) and build the group of every row from (task uid, role, turn), per
    ``mas.grouping``, in :mod:`verl_mas.advantage.groups`;
@@ -16,25 +17,18 @@ step of verl's pipeline, the advantage computation:
    step), ``mas/group/*`` and the parse/infrastructure failure counts.
 
 It also pads each batch so that verl's PPO update takes stock verl's number of mini-batches whatever the
-row count (:mod:`verl_mas.minibatch`), stops a step in which an episode raised instead of training on the
-rest, and hands the agent loops a client that gives every candidate its own request id.
-
-With several policies (``mas.policies``, one model or one LoRA adapter per role) the trainer also builds
-one actor/rollout stack per extra policy (:mod:`verl_mas.policies`), hands the agent loops a client that
-routes each role to its policy's servers, splits every batch by policy for log-probs and updates, syncs
-and sleeps every policy's rollout, and saves/loads every policy with the step (the first policy in
-``actor/`` as verl does, the others in ``actor_<policy>/``). Metrics of a per-policy computation are
-logged as ``policy/<name>/<metric>``; verl's own metric names carry the mean over policies.
+row count (:mod:`verl_mas.minibatch`) and stops a step in which an episode raised instead of training on
+the rest. Several policies (one model or one LoRA adapter per role) are the business of
+:class:`verl_mas.policies.stacks.MultiPolicyTrainer`, mixed in: with one policy its hooks are verl's own.
 """
 
 from __future__ import annotations
 
-import copy
 import logging
 import math
-import os
 import sys
 from collections import defaultdict
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,7 +40,7 @@ from tensordict import NonTensorStack, TensorDict
 from verl.trainer.ppo.v1.trainer_base import register_trainer
 from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 
-from verl_mas.advantage.at_grpo import SINGLETON_KEY
+from verl_mas.advantage.at_grpo import ESTIMATOR_NAME, SINGLETON_KEY
 from verl_mas.advantage.groups import (
     MEMBER_SEP,
     group_ids,
@@ -54,9 +48,12 @@ from verl_mas.advantage.groups import (
     group_key,
     group_stats,
 )
-from verl_mas.config import MAS_TRAINER_MARK, MasConfig, check_run_config
+from verl_mas.config import MAS_TRAINER_MARK, MasConfig, MasConfigError
 from verl_mas.minibatch import actor_dp_size, required_batch_multiple, update_mini_batch_size
-from verl_mas.policies import PolicyRouterClient, PolicyStack, SessionRoutedClient
+from verl_mas.policies import policy_configs_and_problems, shared_rollout_problems
+from verl_mas.policies.stacks import MultiPolicyTrainer
+from verl_mas.routing import RoleRouter, roles_of_workflows, workflows_in_data
+from verl_mas.rows import CandidateRow, rows_from_verl
 
 logger = logging.getLogger(__name__)
 
@@ -69,297 +66,21 @@ class GroupPromptMismatchError(RuntimeError):
 
 
 @register_trainer(TRAINER_MODE)
-class MasTrainer(PPOTrainerSync):
+class MasTrainer(MultiPolicyTrainer, PPOTrainerSync):
     """verl's synchronous trainer with AT-GRPO grouping (see the module docstring)."""
 
     def __init__(self, config: Any) -> None:
         # Every start-up problem (mas: block, algorithm, policy overrides, routing) is reported in one error.
         self.mas, self._policy_configs = check_run_config(config)
         prepare_verl_config(config, self.mas, self._policy_configs)
-        self.stacks: dict[str, PolicyStack] = {}
-        self._policy_keys: dict[str, list[str]] = {}
-        self._resume_folder: str | None = None
-        self._last_server_stats: dict[str, dict[str, int]] = {}
         self._sampled: dict[str, SampledPrompts] = {}
         super().__init__(config)
-
-    # ---------------------------------------------------------------------------------------------
-    # Several policies: set-up, routing, weight sync, checkpoints
-    # ---------------------------------------------------------------------------------------------
-    def _init_resource_pool_mgr(self) -> None:
-        super()._init_resource_pool_mgr()
-        # Policies without resources of their own share verl's pool (one process per policy per GPU);
-        # verl's default allows 3 colocated groups per bundle.
-        needed = len(self.mas.policies) + 1
-        if self.resource_pool_manager.max_colocate_count < needed:
-            self.resource_pool_manager.max_colocate_count = needed
-        for name in self.mas.policy_names[1:]:
-            gpus = self.mas.policy_resources(name)
-            if gpus is not None:  # created with verl's pools; its GPUs count in verl's availability check
-                self.resource_pool_manager.resource_pool_spec[_pool_name(name)] = gpus
-
-    def _setup(self) -> None:
-        super()._setup()
-        primary = self.mas.policy_names[0]
-        self.stacks[primary] = PolicyStack(
-            name=primary,
-            worker_group=self.actor_rollout_wg,
-            ref_worker_group=getattr(self, "ref_policy_wg", None),
-            ref_in_actor=self.ref_in_actor,
-            server_manager=self.llm_server_manager,
-            checkpoint_manager=self.checkpoint_manager,
-            pool=self._verl_pool_name(),
-        )
-        for name in self.mas.policy_names[1:]:
-            self.stacks[name] = self._build_policy_stack(name, self._policy_configs[name])
-        if self._resume_folder is not None:
-            for name in self.mas.policy_names[1:]:
-                self.stacks[name].worker_group.load_checkpoint(
-                    local_path=os.path.join(self._resume_folder, f"actor_{name}"),
-                    del_local_after_load=self.config.trainer.del_local_ckpt_after_load,
-                )
-                logger.info("policy %s resumed from %s", name, self._resume_folder)
-
-    def _build_policy_stack(self, name: str, arr: Any) -> PolicyStack:
-        """One more trainable model: worker group (on verl's pool, or its own with ``resources``), rollout
-        replicas, weight sync."""
-        import ray
-        from verl.checkpoint_engine import CheckpointEngineManager
-        from verl.single_controller.ray import RayClassWithInitArgs, RayWorkerGroup, create_colocated_worker_cls
-        from verl.trainer.ppo.utils import Role
-        from verl.utils.config import omega_conf_to_dataclass
-        from verl.workers.engine_workers import ActorRolloutRefWorker
-        from verl.workers.rollout.llm_server import LLMServerManager
-
-        lora_rank = arr.model.get("lora", {}).get("rank", 0) or arr.model.get("lora_rank", 0)
-        ref_in_actor = lora_rank > 0 or arr.model.get("lora_adapter_path") is not None
-        role = Role.ActorRolloutRef if self.use_reference_policy and not ref_in_actor else Role.ActorRollout
-        pools = self.resource_pool_manager.resource_pool_dict
-        pool_name = _pool_name(name) if _pool_name(name) in pools else self._verl_pool_name()
-        pool = pools[pool_name]
-        cls = RayClassWithInitArgs(cls=ray.remote(ActorRolloutRefWorker), config=arr, role=str(role))
-        group = RayWorkerGroup(
-            resource_pool=pool,
-            ray_cls_with_init=create_colocated_worker_cls(class_dict={str(role): cls}),
-            device_name=self.config.trainer.device,
-        )
-        worker_group = group.spawn(prefix_set=[str(role)])[str(role)]
-        worker_group.init_model()
-        full = copy.deepcopy(self.config)
-        with open_dict(full):
-            full.actor_rollout_ref = arr
-        server_manager = LLMServerManager.create(config=full, worker_group=worker_group, rollout_resource_pool=pool)
-        engine_config = omega_conf_to_dataclass(arr.rollout.checkpoint_engine)
-        engine_config.backend = "naive"
-        checkpoint_manager = CheckpointEngineManager(
-            config=engine_config, actor_wg=worker_group, replicas=server_manager.get_replicas()
-        )
-        checkpoint_manager.sleep_replicas()
-        logger.info("policy %s: worker group, %d rollout replica(s) and weight sync ready", name,
-                    len(server_manager.get_replicas()))
-        return PolicyStack(
-            name=name,
-            worker_group=worker_group,
-            ref_worker_group=worker_group if (self.use_reference_policy or ref_in_actor) else None,
-            ref_in_actor=ref_in_actor,
-            server_manager=server_manager,
-            checkpoint_manager=checkpoint_manager,
-            pool=pool_name,
-        )
-
-    def _verl_pool_name(self) -> str:
-        """The resource pool of verl's own actor/rollout workers (the first policy's)."""
-        return self.mapping[next(iter(self.role_worker_mapping))]
-
-    def _extra_stacks(self) -> list[PolicyStack]:
-        return [self.stacks[n] for n in self.mas.policy_names[1:] if n in self.stacks]
-
-    def get_llm_client(self) -> Any:
-        # One request id per candidate, routed by its (episode, role) session (policies.SessionRoutedClient).
-        if not self.mas.multi_policy:
-            return self.llm_server_manager.get_client(client_cls=SessionRoutedClient)
-        return PolicyRouterClient({name: stack.server_manager.get_client(client_cls=SessionRoutedClient)
-                                   for name, stack in self.stacks.items()})
-
-    def on_init_end(self) -> None:
-        super().on_init_end()
-        for stack in self._extra_stacks():
-            stack.checkpoint_manager.update_weights(self.global_steps)
-
-    def on_sample_end(self) -> None:
-        super().on_sample_end()
-        for stack in self._extra_stacks():
-            stack.checkpoint_manager.sleep_replicas()
-
-    def on_step_end(self) -> None:
-        from verl.utils.debug import marked_timer
-
-        # As verl's sync trainer, for every policy: wake its replicas and push the new weights.
-        with marked_timer("update_weights", self.timing_raw, color="red"):
-            for stack in self.stacks.values():
-                stack.checkpoint_manager.update_weights(self.global_steps)
-
-    def _load_checkpoint(self) -> None:
-        super()._load_checkpoint()
-        if self.global_steps > 0 and self.mas.multi_policy:
-            trainer = self.config.trainer
-            if trainer.resume_mode == "resume_path":
-                folder = trainer.resume_from_path
-            else:
-                folder = os.path.join(trainer.default_local_dir, f"global_step_{self.global_steps}")
-            self._resume_folder = folder if os.path.isabs(folder) else os.path.join(os.getcwd(), folder)
-            missing = [n for n in self.mas.policy_names[1:]
-                       if not os.path.isdir(os.path.join(self._resume_folder, f"actor_{n}"))]
-            if missing:
-                raise FileNotFoundError(
-                    f"Resuming from {self._resume_folder}, but it holds no checkpoint for policies {missing} "
-                    f"(folders actor_<policy>). The checkpoint was saved by a run with other mas.policies; resume "
-                    "with the same policies, or start from scratch (trainer.resume_mode=disable)."
-                )
-
-    def _save_checkpoint(self) -> None:
-        step_dir = f"global_step_{self.global_steps}"
-        folder = os.path.join(self.config.trainer.default_local_dir, step_dir)
-        remote = self.config.trainer.default_hdfs_dir
-        keep = self.config.trainer.get("max_actor_ckpt_to_keep", None)
-        for stack in self._extra_stacks():
-            stack.worker_group.save_checkpoint(
-                os.path.join(folder, f"actor_{stack.name}"),
-                None if remote is None else os.path.join(remote, step_dir, f"actor_{stack.name}"),
-                self.global_steps,
-                max_ckpt_to_keep=keep,
-            )
-        # verl saves the first policy in actor/, the dataloader, and writes the "latest" marker last.
-        super()._save_checkpoint()
-
-    def _view(self, stack: PolicyStack) -> MasTrainer:
-        """This trainer as seen by one policy: verl's per-batch methods called on the view use the
-        policy's worker groups. Each view has its own copy of the config (the update adjusts the
-        mini-batch size per call), so views of different policies can run in parallel threads."""
-        view = copy.copy(self)
-        view.config = copy.deepcopy(self.config)
-        if stack.name != self.mas.policy_names[0]:
-            # The policy's own actor/rollout/ref settings (ppo_epochs, ppo_mini_batch_size, the log-prob
-            # temperature, ...), as its worker group was built with them.
-            with open_dict(view.config):
-                view.config.actor_rollout_ref = copy.deepcopy(self._policy_configs[stack.name])
-        view.actor_rollout_wg = stack.worker_group
-        view.ref_policy_wg = stack.ref_worker_group
-        view.ref_in_actor = stack.ref_in_actor
-        return view
-
-    def _per_policy(self, batch: Any, metrics: dict, method: Any, phase: str) -> Any:
-        """Run ``method(view, sub_batch, metrics)`` for every policy on its own rows; merge the metrics.
-
-        Policies sharing a resource pool run one after another (they share the GPUs' memory); a policy on
-        a pool of its own runs concurrently with them. ``mas/policies/<phase>_concurrency`` is the sum of
-        the policies' durations over the wall time of the phase (1.0: sequential).
-        """
-        if not self.mas.multi_policy:
-            return method(self, batch, metrics)
-        import time
-        from concurrent.futures import ThreadPoolExecutor
-
-        lanes: dict[str, list[str]] = defaultdict(list)
-        for name in self.mas.policy_names:
-            if self._policy_keys.get(name):
-                lanes[self.stacks[name].pool].append(name)
-        per_policy: dict[str, dict] = {name: {} for lane in lanes.values() for name in lane}
-        durations: dict[str, float] = {}
-
-        def run_lane(names: list[str]) -> None:
-            for name in names:
-                sub = batch.select_keys(self._policy_keys[name])
-                sub.extra_info = dict(batch.extra_info or {})
-                start = time.perf_counter()
-                method(self._view(self.stacks[name]), sub, per_policy[name])
-                durations[name] = time.perf_counter() - start
-
-        start = time.perf_counter()
-        if len(lanes) == 1:
-            run_lane(next(iter(lanes.values())))
-        else:
-            with ThreadPoolExecutor(max_workers=len(lanes), thread_name_prefix="mas-policy") as pool:
-                for future in [pool.submit(run_lane, names) for names in lanes.values()]:
-                    future.result()
-        wall = time.perf_counter() - start
-        for name, seconds in durations.items():
-            per_policy[name][f"timing_s/policy_{phase}"] = seconds
-        metrics.update(merge_policy_metrics(per_policy))
-        metrics[f"mas/policies/{phase}_concurrency"] = sum(durations.values()) / wall if wall > 0 else 1.0
-        return batch
-
-    def _balance_batch(self, batch: Any, metrics: dict, logging_prefix: str = "global_seqlen",
-                       keep_minibatch: bool = False) -> Any:
-        if not self.mas.multi_policy:
-            return super()._balance_batch(batch, metrics, logging_prefix=logging_prefix, keep_minibatch=keep_minibatch)
-        data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=["extra_fields"])
-        extras = _as_list(data["extra_fields"])
-        by_policy: dict[str, list[str]] = defaultdict(list)
-        for key, extra in zip(batch.keys, extras, strict=True):
-            by_policy[str(extra["mas_policy"])].append(key)
-        parts = []
-        self._policy_keys = {}
-        per_policy: dict[str, dict] = {}
-        for name in self.mas.policy_names:
-            if not by_policy.get(name):
-                logger.warning("policy %s has no samples this step; it is not updated", name)
-                continue
-            sub = batch.select_keys(by_policy[name])
-            out: dict = {}
-            sub = super(MasTrainer, self._view(self.stacks[name]))._balance_batch(
-                sub, out, logging_prefix=logging_prefix, keep_minibatch=keep_minibatch
-            )
-            self._policy_keys[name] = list(sub.keys)
-            per_policy[name] = out
-            parts.append(sub)
-        metrics.update(merge_policy_metrics(per_policy))
-        merged = type(batch).concat(parts)
-        merged.extra_info = dict(batch.extra_info or {})
-        return merged
-
-    def _compute_old_log_prob(self, batch: Any, metrics: dict) -> Any:
-        return self._per_policy(
-            batch, metrics, lambda v, b, m: super(MasTrainer, v)._compute_old_log_prob(b, metrics=m), "old_log_prob"
-        )
-
-    def _compute_ref_log_prob(self, batch: Any, metrics: dict) -> Any:
-        return self._per_policy(
-            batch, metrics, lambda v, b, m: super(MasTrainer, v)._compute_ref_log_prob(b, metrics=m), "ref"
-        )
-
-    def _compute_metrics(self, batch: Any, metrics: dict, timing_raw: dict, global_steps: int, epoch: int) -> Any:
-        result = super()._compute_metrics(batch, metrics, timing_raw, global_steps, epoch)
-        metrics.update(self._server_metrics())
-        return result
-
-    def _server_metrics(self) -> dict[str, float]:
-        """Requests served and weight updates per policy since the last step (rollout backends with ``stats``)."""
-        import ray
-
-        if not self.mas.multi_policy:
-            return {}
-        out: dict[str, float] = {}
-        for name, stack in self.stacks.items():
-            totals = {"requests": 0, "weight_updates": 0}
-            for replica in stack.server_manager.get_replicas():
-                handle = getattr(replica, "_server_handle", None)
-                if handle is None or not hasattr(handle, "stats"):
-                    return {}
-                for k, v in ray.get(handle.stats.remote()).items():
-                    totals[k] += int(v)
-            last = self._last_server_stats.get(name, {"requests": 0, "weight_updates": 0})
-            out[f"policy/{name}/rollout/requests"] = float(totals["requests"] - last["requests"])
-            out[f"policy/{name}/rollout/weight_updates"] = float(totals["weight_updates"] - last["weight_updates"])
-            self._last_server_stats[name] = totals
-        return out
 
     def _build_replay_buffer(self) -> Any:
         buffer = super()._build_replay_buffer()
         tune_replay_buffer(buffer, self.mas, self._sampled)
         return buffer
 
-    # ------------------------------------------------------------------------------------------------
     def _update_actor(self, batch: Any, metrics: dict) -> Any:
         """PPO update with mini-batches counted in tasks, as ``actor.ppo_mini_batch_size`` is everywhere in verl.
 
@@ -391,12 +112,12 @@ class MasTrainer(PPOTrainerSync):
 
     def _compute_advantage(self, batch: Any, metrics: dict) -> Any:
         data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=list(_FIELDS))
-        extras: list[dict] = _as_list(data["extra_fields"])
+        rows = rows_from_verl(data["extra_fields"])
         uids = [str(u) for u in _as_list(data["uid"])]
         episodes = [session_of(key) for key in batch.keys]
         response_mask = data["response_mask"]
         padding = np.array([bool(tag.get("is_padding", False)) for tag in batch.tags])
-        groups = assign_groups(extras, uids, padding, self.mas, episodes=episodes)
+        groups = assign_groups(rows, uids, padding, self.mas, episodes=episodes)
         keys, rewards = groups.keys, groups.rewards
 
         # Token-level scores: each row's own reward on its last response token.
@@ -421,8 +142,72 @@ class MasTrainer(PPOTrainerSync):
 
         sampled = self._sampled.get("train")
         expected = None if sampled is None else len(sampled.uids) * int(self.config.actor_rollout_ref.rollout.n)
-        metrics.update(mas_metrics(extras, groups, padding, uids, episodes, expected_episodes=expected))
+        metrics.update(mas_metrics(rows, groups, padding, episodes, expected_episodes=expected))
         return batch
+
+
+def check_run_config(config: Any) -> tuple[MasConfig, dict[str, Any]]:
+    """Every start-up problem of a verl_mas run, collected in one pass and raised once.
+
+    Checks the ``mas:`` block, the algorithm and sampling settings it implies, every policy's overrides
+    (unknown keys, keys one process reads for all policies, rollout backends that cannot serve several
+    policies) and the routing of every role of every workflow in the data.
+
+    Args:
+        config: verl's full config (``algorithm``, ``actor_rollout_ref``, ``data``, ``mas``, ...).
+
+    Returns:
+        The ``mas:`` block and each policy's full ``actor_rollout_ref``.
+
+    Raises:
+        MasConfigError: listing every problem, each with its fix.
+    """
+    block = config.get("mas", None) if hasattr(config, "get") else None
+    mas, problems = MasConfig.parse(block)
+    algorithm = config.algorithm
+    estimator = algorithm.adv_estimator
+    if estimator != ESTIMATOR_NAME:
+        problems.append(
+            f"algorithm.adv_estimator is {estimator!r}, but trainer.v1.trainer_mode=mas builds AT-GRPO groups "
+            f"for the {ESTIMATOR_NAME!r} estimator. Set algorithm.adv_estimator={ESTIMATOR_NAME}."
+        )
+    chosen = algorithm.get(SINGLETON_KEY, None)
+    if chosen is not None and chosen != mas.singleton_advantage:
+        problems.append(
+            f"algorithm.{SINGLETON_KEY} is {chosen!r} but mas.singleton_advantage is {mas.singleton_advantage!r}; "
+            f"the mas trainer sets algorithm.{SINGLETON_KEY} from mas.singleton_advantage. Set only the latter."
+        )
+    n = int(config.actor_rollout_ref.rollout.n)
+    if mas.sampling == "tree" and n != 1:
+        problems.append(
+            f"actor_rollout_ref.rollout.n is {n}, but mas.sampling=tree samples K={mas.branching} candidates "
+            "inside each episode; extra sessions would be independent episodes. Set rollout.n=1."
+        )
+    if mas.sampling == "parallel" and n < 2:
+        problems.append(
+            "mas.sampling=parallel draws K independent episodes per task through verl's rollout.n; set "
+            "actor_rollout_ref.rollout.n=K (e.g. 4)."
+        )
+    if mas.grouping == "trajectory" and mas.sampling != "parallel":
+        problems.append(
+            "mas.grouping=trajectory normalises each episode's outcome over the task's episodes, but "
+            f"mas.sampling={mas.sampling} runs one episode per task, so every group would be a singleton "
+            "(no signal). Use mas.sampling=parallel mas.branching=1 actor_rollout_ref.rollout.n=K."
+        )
+    configs: dict[str, Any] = {}
+    if isinstance(mas.policies, Mapping) and mas.policies:
+        configs, override_problems = policy_configs_and_problems(config.actor_rollout_ref, mas)
+        problems.extend(override_problems)
+        if configs:
+            problems.extend(shared_rollout_problems(configs, mas))
+    if mas.multi_policy and isinstance(mas.roles, Mapping):
+        workflows = workflows_in_data(config) or ([mas.workflow] if mas.workflow else [])
+        problems.extend(RoleRouter.from_mas(mas).problems(roles_of_workflows(workflows)))
+    if problems:
+        raise MasConfigError(
+            f"verl_mas cannot start: {len(problems)} problem(s) in the config:\n  - " + "\n  - ".join(problems)
+        )
+    return mas, configs
 
 
 def prepare_verl_config(config: Any, mas: MasConfig, policy_configs: dict[str, Any]) -> None:
@@ -491,10 +276,9 @@ def session_of(key: str) -> str:
 
 
 def mas_metrics(
-    extras: list[dict],
+    rows: Sequence[CandidateRow],
     groups: GroupAssignment,
     padding: np.ndarray,
-    uids: list[str],
     episodes: list[str],
     *,
     expected_episodes: int | None = None,
@@ -510,21 +294,25 @@ def mas_metrics(
     roles, turns, rewards, ids = groups.roles, groups.turns, groups.rewards, groups.ids
     real = ~padding
     out = group_stats(ids[real], rewards[real]).as_metrics()
-    by_role: dict[str, list[float]] = defaultdict(list)
+    by_role: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     role_turns: dict[str, dict[str, set[int]]] = defaultdict(lambda: defaultdict(set))
-    parse_failures = 0
-    per_episode: dict[str, dict[str, float]] = {}
+    per_episode: dict[str, Mapping[str, float]] = {}
     for i in np.flatnonzero(real):
-        e = extras[i]
-        by_role[roles[i]].append(float(rewards[i]))
+        row = rows[i]
+        values = by_role[roles[i]]
+        values["reward"].append(float(rewards[i]))
+        if row.committed:
+            values["committed_reward"].append(float(rewards[i]))
+        for part, value in (("team_reward", row.team_reward), ("local_reward", row.local_reward)):
+            if math.isfinite(value):  # NaN: the workflow gave a plain reward
+                values[part].append(value)
         role_turns[roles[i]][episodes[i]].add(int(turns[i]))
-        parse_failures += bool(e.get("mas_parse_failed", False))
-        if int(e.get("mas_episode_index", -1)) == 0:
-            per_episode[episodes[i]] = e.get("mas_episode_metrics") or {}
+        if row.episode_index == 0:
+            per_episode[episodes[i]] = row.episode_metrics
     for role, values in sorted(by_role.items()):
-        out[f"mas/{role}/reward/mean"] = float(np.mean(values))
+        for name, series in values.items():
+            out[f"mas/{role}/{name}/mean"] = float(np.mean(series))
         out[f"mas/{role}/turns"] = float(np.mean([len(t) for t in role_turns[role].values()]))
-    out["mas/parse_failures"] = float(parse_failures)
     # Episode-level metrics reported by the workflows and the engine, averaged over episodes with samples.
     sums: dict[str, list[float]] = defaultdict(list)
     for ep in per_episode.values():
@@ -568,7 +356,8 @@ class GroupAssignment:
 
 
 def assign_groups(
-    extras: list[dict], uids: list[str], padding: np.ndarray, mas: MasConfig, *, episodes: list[str] | None = None
+    rows: Sequence[CandidateRow], uids: list[str], padding: np.ndarray, mas: MasConfig, *,
+    episodes: list[str] | None = None,
 ) -> GroupAssignment:
     """Group rows per ``mas.grouping`` and check every invariant that grouping and ``mas.sampling`` imply.
 
@@ -579,7 +368,7 @@ def assign_groups(
       episode, broadcast to its rows), not over rows.
 
     Args:
-        extras: Each row's ``extra_fields`` as the ``mas`` agent loop wrote them.
+        rows: Each row's contract fields, as the ``mas`` agent loop wrote them.
         uids: Each row's verl uid (the dataset row, i.e. the task).
         padding: ``(bs,)`` True for rows verl added as padding; each becomes its own (singleton) group.
         mas: The ``mas:`` block.
@@ -590,12 +379,12 @@ def assign_groups(
             prompts in one tree node, several roles or turns in one group, ...).
     """
     episodes = list(uids) if episodes is None else list(episodes)
-    roles = [e["mas_role"] for e in extras]
-    turns = np.array([int(e["mas_turn"]) for e in extras], dtype=np.int64)
+    roles = [r.role for r in rows]
+    turns = np.array([r.turn for r in rows], dtype=np.int64)
     if mas.grouping == "trajectory":
-        rewards = np.array([_episode_outcome(e) for e in extras], dtype=np.float64)
+        rewards = np.array([_episode_outcome(r) for r in rows], dtype=np.float64)
     else:
-        rewards = np.array([float(e["mas_reward"]) for e in extras], dtype=np.float64)
+        rewards = np.array([r.reward for r in rows], dtype=np.float64)
     keys = [
         f"padding|{i}" if padding[i]
         else group_key(uids[i], roles[i], int(turns[i]), mas.grouping, episode=episodes[i].rpartition("_")[2])
@@ -607,7 +396,7 @@ def assign_groups(
     problems = group_invariant_problems(
         ids[real], [keys[i] for i in real], grouping=mas.grouping, sampling=mas.sampling,
         task_uids=[uids[i] for i in real], episodes=[episodes[i] for i in real], roles=[roles[i] for i in real],
-        turns=turns[real], prompt_hashes=[int(extras[i]["mas_prompt_hash"]) for i in real],
+        turns=turns[real], prompt_hashes=[rows[i].prompt_hash for i in real],
         check_prompts=mas.check_group_prompts,
     )
     if problems:
@@ -620,45 +409,20 @@ def assign_groups(
     return GroupAssignment(keys, ids, rewards, roles, turns)
 
 
-def merge_policy_metrics(per_policy: dict[str, dict]) -> dict[str, float]:
-    """``policy/<name>/<metric>`` for every policy's metrics, and verl's name with the mean over policies.
-
-    With one policy the metrics pass through unchanged.
-    """
-    if len(per_policy) == 1:
-        return dict(next(iter(per_policy.values())))
-    out: dict[str, Any] = {}
-    pooled: dict[str, list[float]] = defaultdict(list)
-    for name, metrics in per_policy.items():
-        for key, value in metrics.items():
-            out[f"policy/{name}/{key}"] = value
-            if isinstance(value, (int, float, np.floating, np.integer)):
-                pooled[key].append(float(value))
-    for key, values in pooled.items():
-        out[key] = float(np.mean(values))
-    return out
-
-
-def _pool_name(policy: str) -> str:
-    """The resource pool of a policy with ``resources`` of its own."""
-    return f"mas_policy_{policy}"
-
-
 def _as_list(values: Any) -> list:
     """Rows of a non-tensor field fetched from TransferQueue (a NonTensorStack or a plain sequence)."""
     return values.tolist() if hasattr(values, "tolist") else list(values)
 
 
-def _episode_outcome(extra: dict) -> float:
+def _episode_outcome(row: CandidateRow) -> float:
     """The whole-episode reward used by ``grouping: trajectory`` (classic GRPO): the team outcome."""
-    metrics = extra.get("mas_episode_metrics") or {}
-    if "mas/success" not in metrics:
+    if "mas/success" not in row.episode_metrics:
         raise ValueError(
             f"mas.grouping=trajectory scores every sample with its episode's outcome, but workflow "
-            f"{extra.get('mas_workflow')!r} reports no 'mas/success' metric. Set self.metrics['mas/success'] in "
+            f"{row.workflow!r} reports no 'mas/success' metric. Set self.metrics['mas/success'] in "
             "the workflow, or use mas.grouping=agent_turn."
         )
-    return float(metrics["mas/success"])
+    return float(row.episode_metrics["mas/success"])
 
 
 # verl may have been imported for the first time from inside this module, before it was whole, so that

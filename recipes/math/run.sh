@@ -14,9 +14,9 @@ DATA="$RUN_DIR/data/$WORKFLOW"
 
 if [ ! -f "$DATA/train.parquet" ]; then
   if [ -n "${TRAIN_SOURCE:-}" ]; then
-    "$PYTHON" -m verl_mas.workflows.loaders --workflow "$WORKFLOW" --split train --out "$DATA/train.parquet" \
+    "$PYTHON" -m verl_mas.data "$WORKFLOW" --split train --out "$DATA" \
       --source "$TRAIN_SOURCE" --format "$TRAIN_FORMAT" --start "${TRAIN_START:-0}" ${TRAIN_STOP:+--stop "$TRAIN_STOP"}
-    "$PYTHON" -m verl_mas.workflows.loaders --workflow "$WORKFLOW" --split test --out "$DATA/test.parquet" \
+    "$PYTHON" -m verl_mas.data "$WORKFLOW" --split test --out "$DATA" \
       --source "$TEST_SOURCE" --format "$TEST_FORMAT" --start "${TEST_START:-0}" ${TEST_STOP:+--stop "$TEST_STOP"}
   else
     "$PYTHON" -m verl_mas.data "$WORKFLOW" --out "$DATA" --train 12 --test 4 --seed 0

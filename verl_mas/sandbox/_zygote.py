@@ -5,6 +5,10 @@ package tree is never written to) and talks to it over a ``SOCK_SEQPACKET`` sock
 run's stdin/stdout/stderr descriptors passed with ``SCM_RIGHTS``. Forking this small single-threaded process
 is far cheaper and safer than forking a training process that holds GBs of mappings and many threads.
 
+It runs as a script (``-I -S``: the standard library and its sibling helper modules only, nothing of the
+host's site-packages), so its server loop cannot lean on the package; that is why it is one module of
+~400 lines.
+
 Modules: this one is the server loop; `_runinit` is what runs inside each run; `_budget` keeps a run's
 time budget; `_linux` wraps the system calls. Process tree of one run (root)::
 

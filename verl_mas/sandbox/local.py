@@ -1,4 +1,10 @@
-"""Local backend: runs model-written Python on this machine through the namespace fork server."""
+"""Local backend: runs model-written Python on this machine through the namespace fork server.
+
+Why one module of ~570 lines: :class:`LocalSandbox` is the host side of one protocol with the fork server
+(``_zygote.py``): starting it, the control channel, staging a run, reading its output, kills, time limits
+and tear-down share one event-loop-bound state (the open runs, the channel, the slots). Split apart, each
+piece would need the others' internals.
+"""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """``code-v0`` (coder + tester, simultaneous) and ``code-single-v0`` (coder alone): stdin/stdout programming tasks.
 
-Task (a JSON dict, see :func:`verl_mas.workflows.loaders.check_code_task`)::
+Task (a JSON dict, see :func:`verl_mas.data.tasks.check_code_task`)::
 
     {"id": "sum-two", "source": "verl_mas", "question": "Read two integers ...",
      "tests": [{"input": "1 2\\n", "output": "3\\n"}, ...],      # golden tests (at least one)
@@ -36,16 +36,16 @@ from __future__ import annotations
 
 import asyncio
 import random
-import re
-from collections.abc import Awaitable, Callable, Hashable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any
 
 from verl_mas.chat import Message, system, user
+from verl_mas.data.tasks import check_code_task, project_tasks
 from verl_mas.registry import register_workflow
 from verl_mas.sandbox import TestCase, TestReport, check_compiles, outputs_match, run_python, run_tests
 from verl_mas.workflow import Workflow
-from verl_mas.workflows.loaders import check_code_task, project_tasks
+from verl_mas.workflows.common import Memo, extract_code, fenced_blocks, settle_all
 
 __all__ = [
     "MAX_GENERATED_TESTS",
@@ -54,7 +54,6 @@ __all__ = [
     "CodeSingleWorkflow",
     "CodeWorkflow",
     "TestsScore",
-    "extract_code",
     "parse_tests",
     "score_code",
     "score_tests",
@@ -70,21 +69,8 @@ SMOKE_TESTS = 3
 _CLIP = 300
 
 # ---------------------------------------------------------------------------------------------------
-# Pure task logic: parsing replies and scoring programs and tests.
-
-_FENCE_RE = re.compile(r"```[ \t]*([A-Za-z0-9_+\-]*)[^\n]*\n(.*?)```", re.DOTALL)
-_CODE_LANGS = ("python", "python3", "py", "")
-
-
-def extract_code(text: str) -> str | None:
-    """The last fenced code block tagged ``python`` (or untagged) in ``text``, else None.
-
-    ``"Here:\\n```python\\nprint(1)\\n```"`` -> ``"print(1)\\n"``. An empty block counts as no code.
-    """
-    blocks = [body for lang, body in _FENCE_RE.findall(text) if lang.lower() in _CODE_LANGS]
-    if not blocks or not blocks[-1].strip():
-        return None
-    return blocks[-1]
+# Pure task logic: parsing replies (programs: :func:`verl_mas.workflows.common.extract_code`) and scoring
+# programs and tests.
 
 
 def parse_tests(text: str, max_tests: int = MAX_GENERATED_TESTS) -> list[TestCase] | None:
@@ -97,8 +83,7 @@ def parse_tests(text: str, max_tests: int = MAX_GENERATED_TESTS) -> list[TestCas
     """
     tests: list[TestCase] = []
     pending: str | None = None
-    for lang, body in _FENCE_RE.findall(text):
-        kind = lang.lower()
+    for kind, body in fenced_blocks(text):
         if kind == "input":
             if pending is not None:
                 return None
@@ -162,41 +147,6 @@ class TestsScore:
     def local(self) -> float:
         """The tester's local reward: ``0.2 * valid + 0.8 * golden_pass_rate`` (0 for a missing rate)."""
         return 0.2 * self.valid + 0.8 * (self.golden_pass_rate or 0.0)
-
-
-K = TypeVar("K", bound=Hashable)
-V = TypeVar("V")
-
-
-class _Memo(Generic[K, V]):
-    """Per-episode memo of async results: identical candidates (frequent among K samples) run once."""
-
-    def __init__(self, fn: Callable[[K], Awaitable[V]]) -> None:
-        self._fn = fn
-        self._tasks: dict[K, asyncio.Task[V]] = {}
-
-    def __call__(self, key: K) -> asyncio.Task[V]:
-        if key not in self._tasks:
-            self._tasks[key] = asyncio.ensure_future(self._fn(key))
-        return self._tasks[key]
-
-    async def settle(self) -> None:
-        """Wait for every started computation (results and errors discarded).
-
-        Called when the episode fails: sandbox runs are left to finish rather than abandoned in flight
-        (an abandoned run keeps its sandbox slot, and the sandbox bound to a finished event loop).
-        """
-        await asyncio.gather(*self._tasks.values(), return_exceptions=True)
-
-
-async def settle_all(memos: Sequence[_Memo[Any, Any]], body: Awaitable[None]) -> None:
-    """Await ``body``; if it raises, let the memos' started runs finish before re-raising."""
-    try:
-        await body
-    except Exception:
-        for memo in memos:
-            await memo.settle()
-        raise
 
 
 async def _golden_output(solution: str, stdin: str) -> str | None:
@@ -293,21 +243,22 @@ class _CodeBase(Workflow):
 
     @classmethod
     def generate_task(cls, rng: random.Random, split: str) -> dict[str, Any]:
-        """One task of the project-written set (``verl_mas/workflows/data/code_tasks.jsonl``), both splits.
+        """One task of the project-written set (``verl_mas/data/code_tasks.jsonl``), both splits.
 
         ``python -m verl_mas.data`` keeps train and test disjoint; the set has 16 tasks, so ask for at
-        most 16 in all (e.g. ``--train 12 --test 4``). Real datasets: :mod:`verl_mas.workflows.loaders`.
+        most 16 in all (e.g. ``--train 12 --test 4``). Real datasets: :mod:`verl_mas.data.loaders`.
         """
         return rng.choice(project_tasks("code"))
 
-    async def _score_coders(self, candidates: Any, golden: list[TestCase], memo: _Memo[Any, CodeScore]) -> list[CodeScore]:
+    async def _score_coders(self, candidates: Any, golden: list[TestCase], memo: Memo[Any, CodeScore]) -> None:
+        """Reward every coder candidate, keeping its program and score in ``info["code"]`` and ``info["score"]``."""
         codes = [extract_code(c.text) for c in candidates]
         scores = await asyncio.gather(*(memo(code) for code in codes))
         for c, code, s in zip(candidates, codes, scores, strict=True):
             c.parse_failed = code is None
             c.team_reward = s.pass_rate
             c.local_reward = s.local
-        return list(scores)
+            c.info.update(code=code, score=s)
 
 
 @register_workflow("code-v0")
@@ -323,29 +274,28 @@ class CodeWorkflow(_CodeBase):
         t = check_code_task(task)
         golden = [TestCase(x["input"], x["output"]) for x in t["tests"]]
         solution: str | None = t["solution"]
-        code_memo: _Memo[Any, CodeScore] = _Memo(lambda code: score_code(code, golden))
-        golden_memo: _Memo[str, str | None] = _Memo(lambda stdin: _golden_output(solution or "", stdin))
-        tests_memo: _Memo[Any, TestsScore] = _Memo(
+        code_memo: Memo[Any, CodeScore] = Memo(lambda code: score_code(code, golden))
+        golden_memo: Memo[str, str | None] = Memo(lambda stdin: _golden_output(solution or "", stdin))
+        tests_memo: Memo[Any, TestsScore] = Memo(
             lambda text: score_tests(parse_tests(text), solution, golden_memo)
         )
         await settle_all([code_memo, tests_memo, golden_memo],
                          self._play(t, golden, solution, code_memo, tests_memo))
 
     async def _play(self, t: dict[str, Any], golden: list[TestCase], solution: str | None,
-                    code_memo: _Memo[Any, CodeScore], tests_memo: _Memo[Any, TestsScore]) -> None:
+                    code_memo: Memo[Any, CodeScore], tests_memo: Memo[Any, TestsScore]) -> None:
         coder_chat: list[Message] = [system(CODER_PROMPT), user(_problem(t["question"]))]
         tester_chat: list[Message] = [system(TESTER_PROMPT), user(_problem(t["question"]))]
         pass_rate, agreed = 0.0, False
         for _ in self.turns():
             # Simultaneous: both act on the same state (the artefacts committed last turn).
             coders, testers = await asyncio.gather(self.generate("coder", coder_chat), self.generate("tester", tester_chat))
-            code_scores, test_scores = await asyncio.gather(
+            _, test_scores = await asyncio.gather(
                 self._score_coders(coders, golden, code_memo),
                 asyncio.gather(*(tests_memo(c.text) for c in testers)),
             )
             coder = coders.best()
-            code = extract_code(coder.text)
-            pass_rate = code_scores[list(coders).index(coder)].pass_rate
+            code, pass_rate = coder.info["code"], coder.info["score"].pass_rate
             for c, s in zip(testers, test_scores, strict=True):
                 c.parse_failed = not s.valid
                 c.team_reward = pass_rate  # the team's outcome this turn: the committed program's golden pass rate
@@ -405,17 +355,12 @@ class CodeSingleWorkflow(_CodeBase):
     async def run(self, task: dict[str, Any]) -> None:
         t = check_code_task(task)
         golden = [TestCase(x["input"], x["output"]) for x in t["tests"]]
-        memo: _Memo[Any, CodeScore] = _Memo(lambda code: score_code(code, golden))
+        memo: Memo[Any, CodeScore] = Memo(lambda code: score_code(code, golden))
         pass_rate = 0.0
         for _ in self.turns():
             coders = await self.generate("coder", [system(CODER_PROMPT), user(_problem(t["question"]))])
-            scores: list[CodeScore] = []
-
-            async def score() -> None:
-                scores.extend(await self._score_coders(coders, golden, memo))
-
-            await settle_all([memo], score())
-            pass_rate = scores[list(coders).index(coders.best())].pass_rate
+            await settle_all([memo], self._score_coders(coders, golden, memo))
+            pass_rate = coders.best().info["score"].pass_rate
             break
         self.metrics["mas/success"] = float(pass_rate == 1.0)
         self.metrics["mas/code/golden_pass_rate"] = pass_rate

@@ -1,6 +1,6 @@
 """``math-v0`` (reasoner + tool, simultaneous) and ``math-single-v0`` (reasoner alone): math problems with a checked answer.
 
-Task (a JSON dict, see :func:`verl_mas.workflows.loaders.check_math_task`)::
+Task (a JSON dict, see :func:`verl_mas.data.tasks.check_math_task`)::
 
     {"id": "add-fractions", "source": "verl_mas", "problem": "Compute 1/3 + 1/6.", "answer": "\\\\frac{1}{2}"}
 
@@ -37,12 +37,12 @@ import re
 from typing import Any
 
 from verl_mas.chat import Message, system, user
+from verl_mas.data.tasks import check_math_task, project_tasks, strip_math_delimiters
 from verl_mas.registry import register_workflow
 from verl_mas.sandbox import check_compiles, run_python
 from verl_mas.verify import CheckTimeout, run_check
 from verl_mas.workflow import Workflow
-from verl_mas.workflows.code import _Memo, extract_code, settle_all
-from verl_mas.workflows.loaders import check_math_task, project_tasks
+from verl_mas.workflows.common import Memo, extract_code, settle_all
 
 logger = logging.getLogger(__name__)
 
@@ -100,13 +100,6 @@ def printed_answer(stdout: str) -> str | None:
 _FLOAT_RE = re.compile(r"[+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?")
 
 
-def _clean(text: str) -> str:
-    text = text.strip()
-    while len(text) >= 2 and text.startswith("$") and text.endswith("$"):
-        text = text[1:-1].strip()
-    return text
-
-
 @functools.lru_cache(maxsize=4096)
 def _parse(text: str) -> tuple[Any, ...]:
     """math-verify's parse of an answer: as the content of a ``\\boxed{}`` (LaTeX), else as a plain expression."""
@@ -153,7 +146,7 @@ def answers_match(pred: str | None, gold: str) -> bool:
     """
     if pred is None:
         return False
-    p, g = _clean(pred), _clean(gold)
+    p, g = strip_math_delimiters(pred), strip_math_delimiters(gold)
     if not p or not g or len(p) > MAX_ANSWER_CHARS:
         return False
     pp, gp = _parse(p), _parse(g)
@@ -201,15 +194,15 @@ class _MathBase(Workflow):
 
     @classmethod
     def generate_task(cls, rng: random.Random, split: str) -> dict[str, Any]:
-        """One task of the project-written set (``verl_mas/workflows/data/math_tasks.jsonl``), both splits.
+        """One task of the project-written set (``verl_mas/data/math_tasks.jsonl``), both splits.
 
         The set has 16 tasks; ``python -m verl_mas.data`` keeps train and test disjoint, so ask for at
-        most 16 in all. Real datasets: :mod:`verl_mas.workflows.loaders`.
+        most 16 in all. Real datasets: :mod:`verl_mas.data.loaders`.
         """
         return rng.choice(project_tasks("math"))
 
     def _setup(self) -> None:
-        self._matches: _Memo[tuple[str | None, str], bool] = _Memo(self._check)
+        self._matches: Memo[tuple[str | None, str], bool] = Memo(self._check)
         self.metrics["mas/math/match_timeouts"] = 0.0
 
     async def _check(self, key: tuple[str | None, str]) -> bool:
@@ -229,14 +222,15 @@ class _MathBase(Workflow):
         """Memoised :func:`answers_match` in a killable worker process (past ``match_timeout_s``: no match)."""
         return self._matches((pred, gold))
 
-    async def _score_reasoners(self, candidates: Any, gold: str) -> list[str | None]:
+    async def _score_reasoners(self, candidates: Any, gold: str) -> None:
+        """Reward every reasoner candidate; each keeps its boxed answer (or None) in ``info["answer"]``."""
         answers = [extract_boxed(c.text) for c in candidates]
         matches = await asyncio.gather(*(self._match(a, gold) for a in answers))
         for c, a, m in zip(candidates, answers, matches, strict=True):
             c.parse_failed = a is None
             c.team_reward = float(m)
             c.local_reward = 0.2 * (a is not None) + 0.8 * m
-        return answers
+            c.info["answer"] = a
 
 
 @register_workflow("math-v0")
@@ -251,10 +245,10 @@ class MathWorkflow(_MathBase):
     async def run(self, task: dict[str, Any]) -> None:
         t = check_math_task(task)
         self._setup()
-        runs: _Memo[str, tuple[bool, bool, str | None, str]] = _Memo(self._execute)
+        runs: Memo[str, tuple[bool, bool, str | None, str]] = Memo(self._execute)
         await settle_all([runs, self._matches], self._play(t, runs))
 
-    async def _play(self, t: dict[str, Any], runs: _Memo[str, tuple[bool, bool, str | None, str]]) -> None:
+    async def _play(self, t: dict[str, Any], runs: Memo[str, tuple[bool, bool, str | None, str]]) -> None:
         gold = t["answer"]
         reasoner_chat: list[Message] = [system(REASONER_PROMPT), user(f"Problem:\n{t['problem']}")]
         tool_chat: list[Message] = [system(TOOL_PROMPT), user(f"Problem:\n{t['problem']}")]
@@ -265,19 +259,19 @@ class MathWorkflow(_MathBase):
                 self.generate("reasoner", reasoner_chat), self.generate("tool", tool_chat)
             )
             codes = [extract_code(c.text) for c in tools]
-            answers, executed = await asyncio.gather(
+            _, executed = await asyncio.gather(
                 self._score_reasoners(reasoners, gold),
                 asyncio.gather(*(runs(code) if code is not None else _no_run() for code in codes)),
             )
             tool_matches = await asyncio.gather(*(self._match(ans, gold) for _, _, ans, _ in executed))
-            for c, code, (builds, ok, _, _), m in zip(tools, codes, executed, tool_matches, strict=True):
+            for c, code, (builds, ok, printed, detail), m in zip(tools, codes, executed, tool_matches, strict=True):
                 c.parse_failed = code is None
                 c.team_reward = float(m)
                 c.local_reward = 0.1 * builds + 0.1 * ok + 0.8 * m
+                c.info.update(code=code, printed=printed, detail=detail)
             reasoner, tool = reasoners.best(), tools.best()
-            said = answers[list(reasoners).index(reasoner)]
-            i = list(tools).index(tool)
-            code, (_, _, printed, detail) = codes[i], executed[i]
+            said = reasoner.info["answer"]
+            code, printed, detail = tool.info["code"], tool.info["printed"], tool.info["detail"]
             agreed = said is not None and printed is not None and await self._match(printed, said)
             if agreed:
                 break
@@ -339,7 +333,7 @@ class MathSingleWorkflow(_MathBase):
         said: str | None = None
         for _ in self.turns():
             reasoners = await self.generate("reasoner", [system(REASONER_PROMPT), user(f"Problem:\n{t['problem']}")])
-            answers = await self._score_reasoners(reasoners, t["answer"])
-            said = answers[list(reasoners).index(reasoners.best())]
+            await self._score_reasoners(reasoners, t["answer"])
+            said = reasoners.best().info["answer"]
             break
         self.metrics["mas/success"] = float(await self._match(said, t["answer"]))

@@ -1,6 +1,6 @@
 """``plan-path-v0`` (tool -> planner) and ``plan-path-single-v0`` (planner only): walk a grid to its goal.
 
-Game rules and rewards: :mod:`verl_mas.workflows.games.plan_path`. Action: a move list such as
+Game rules and rewards: :mod:`verl_mas.games.plan_path`. Action: a move list such as
 ``["U", "R", "R", "D"]`` (or up/down/left/right), applied in one turn.
 """
 
@@ -9,10 +9,10 @@ from __future__ import annotations
 import random
 from typing import Any, ClassVar
 
+from verl_mas.games import plan_path as pp
+from verl_mas.games.common import draw_for_split, format_moves, parse_moves
 from verl_mas.registry import register_workflow
-from verl_mas.workflows.games import plan_path as pp
-from verl_mas.workflows.games.common import draw_for_split, format_moves, parse_moves
-from verl_mas.workflows.games.workflow import ToolPlannerWorkflow
+from verl_mas.workflows.tool_planner import ToolPlannerWorkflow
 
 __all__ = ["PlanPathSingleWorkflow", "PlanPathWorkflow"]
 

@@ -1,6 +1,6 @@
 """``sokoban-v0`` (tool -> planner) and ``sokoban-single-v0`` (planner only): push the boxes onto goals.
 
-Game rules and rewards: :mod:`verl_mas.workflows.games.sokoban`. Action: a move list such as
+Game rules and rewards: :mod:`verl_mas.games.sokoban`. Action: a move list such as
 ``["U", "R", "R", "D"]`` (or up/down/left/right), applied in one turn.
 """
 
@@ -9,10 +9,10 @@ from __future__ import annotations
 import random
 from typing import Any, ClassVar
 
+from verl_mas.games import sokoban as sk
+from verl_mas.games.common import draw_for_split, format_moves, parse_moves
 from verl_mas.registry import register_workflow
-from verl_mas.workflows.games import sokoban as sk
-from verl_mas.workflows.games.common import draw_for_split, format_moves, parse_moves
-from verl_mas.workflows.games.workflow import ToolPlannerWorkflow
+from verl_mas.workflows.tool_planner import ToolPlannerWorkflow
 
 __all__ = ["SokobanSingleWorkflow", "SokobanWorkflow"]
 

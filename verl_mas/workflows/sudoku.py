@@ -1,6 +1,6 @@
 """``sudoku-v0`` / ``sudoku-9x9-v0`` (tool -> planner) and ``sudoku-single-v0`` (planner only).
 
-Game rules and rewards: :mod:`verl_mas.workflows.games.sudoku`. Action: the grid, one row of digits
+Game rules and rewards: :mod:`verl_mas.games.sudoku`. Action: the grid, one row of digits
 per line (``0`` = leave empty), e.g. for 4x4::
 
     1234
@@ -14,10 +14,10 @@ from __future__ import annotations
 import random
 from typing import Any, ClassVar
 
+from verl_mas.games import sudoku as sd
+from verl_mas.games.common import draw_for_split
 from verl_mas.registry import register_workflow
-from verl_mas.workflows.games import sudoku as sd
-from verl_mas.workflows.games.common import draw_for_split
-from verl_mas.workflows.games.workflow import ToolPlannerWorkflow
+from verl_mas.workflows.tool_planner import ToolPlannerWorkflow
 
 __all__ = ["Sudoku9Workflow", "SudokuSingleWorkflow", "SudokuWorkflow"]
 
@@ -27,7 +27,7 @@ class SudokuWorkflow(ToolPlannerWorkflow):
     """Sudoku (4x4 tasks generated; any 4x4 or 9x9 task runs): the tool writes a solver, the planner commits a grid.
 
     Task: ``{"size": 4, "puzzle": ["0020", ...], "solution": ["3124", ...]}``. Train and test puzzles
-    come from disjoint sets of *solution grids* (:func:`~verl_mas.workflows.games.common.split_of`), so
+    come from disjoint sets of *solution grids* (:func:`~verl_mas.games.common.split_of`), so
     no test puzzle shares its solution with a training puzzle.
     """
 

@@ -1,4 +1,4 @@
-"""The tool -> planner workflow shared by the games (and its planner-only baseline).
+"""The tool -> planner workflow shared by the game workflows (and its planner-only baseline).
 
 Each turn (docs/algorithm.md §3):
 
@@ -16,7 +16,8 @@ acted, after the tool's candidates are scored. The episode terminates when the g
 
 A program that crashes, times out or prints no parsable action is the model's mistake (a reward
 decision); a failure of the sandbox itself (:class:`~verl_mas.sandbox.SandboxError`) propagates.
-Subclasses supply the game through the hooks at the end of :class:`ToolPlannerWorkflow`.
+Subclasses supply the game (the pure logic of :mod:`verl_mas.games`) through the hooks at the end of
+:class:`ToolPlannerWorkflow`: ``verl_mas.workflows.sudoku``, ``.sokoban`` and ``.plan_path``.
 """
 
 from __future__ import annotations
@@ -27,9 +28,10 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from verl_mas.chat import system, user
+from verl_mas.games.common import Step
 from verl_mas.sandbox import run_python
 from verl_mas.workflow import Workflow
-from verl_mas.workflows.games.common import Step, extract_code
+from verl_mas.workflows.common import extract_code
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +53,7 @@ SINGLE_SYSTEM = "You are playing {game}. {rules}\nAnswer with the action: {answe
 
 @dataclass(frozen=True)
 class Proposal:
-    """What a tool candidate's program proposed."""
+    """What a tool candidate's program proposed (kept in the candidate's ``info["proposal"]``)."""
 
     code: str | None
     """The extracted program, or None when the reply had no code block."""
@@ -89,24 +91,23 @@ class ToolPlannerWorkflow(Workflow):
             if "tool" in self.roles:
                 tools = await self.generate("tool", [*tool_chat, user(where + "Write the program.")])
                 proposals = await asyncio.gather(*(self._propose(level, state, c.text) for c in tools))
-                by_index = {}
                 for c, p in zip(tools, proposals, strict=True):
-                    by_index[c.index] = p
+                    c.info["proposal"] = p
                     c.parse_failed = p.action is None
                     c.local_reward = self.penalty if p.action is None else level.step(state, p.action).reward
-                note = self._tool_note(by_index[tools.best().index])
+                note = self._tool_note(tools.best().info["proposal"])
             system_text = PLANNER_SYSTEM if "tool" in self.roles else SINGLE_SYSTEM
             plans = await self.generate("planner", [
                 system(system_text.format(game=self.game, rules=self.rules(level), answer=self.answer_format(level))),
                 user(where + note + "Your action?"),
             ])
-            steps: dict[int, Step[Any] | None] = {}
             for c in plans:
                 action = self.parse_action(level, c.text)
+                step: Step[Any] | None = None if action is None else level.step(state, action)  # on a copy
                 c.parse_failed = action is None
-                steps[c.index] = None if action is None else level.step(state, action)
-                c.team_reward = self.penalty if action is None else steps[c.index].reward  # type: ignore[union-attr]
-            committed = steps[plans.best().index]
+                c.team_reward = self.penalty if step is None else step.reward
+                c.info["step"] = step
+            committed: Step[Any] | None = plans.best().info["step"]
             if committed is not None:  # commit: only the planner's best action changes the real state
                 state = committed.state
             if level.is_solved(state):

@@ -26,7 +26,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from verl_mas.workflows.games.common import DELTAS, Step, as_cell, manhattan
+from verl_mas.games.common import DELTAS, Step, as_cell, manhattan
 
 __all__ = [
     "GAMMA",

@@ -1,8 +1,9 @@
-"""Task loaders for the code and math workflows: published dataset files -> task dicts, plus the project task sets.
+"""Task loaders for the code and math workflows: published dataset files -> task dicts.
 
 Nothing here downloads: every loader reads a local ``.jsonl``, ``.json`` or ``.parquet`` file in the
 format its dataset is published in. Where to get the files and the splits the paper used are in
-docs/code-and-math.md.
+docs/code-and-math.md. The command line is ``python -m verl_mas.data <workflow> --source FILE --format F
+--split S`` (:mod:`verl_mas.data.__main__`).
 
 =================  ==========================================================================  ========
 ``format``         records (fields read)                                                       tasks
@@ -20,8 +21,8 @@ docs/code-and-math.md.
 ``polaris``        ``problem, answer``                                                         math
 =================  ==========================================================================  ========
 
-Code task: ``{"id", "source", "question", "tests": [{"input", "output"}], "solution": str | None,
-"difficulty"}``. Math task: ``{"id", "source", "problem", "answer"}``.
+The task dicts (code: ``question``, ``tests``, ``solution``, ...; math: ``problem``, ``answer``) are
+described, and checked, in :mod:`verl_mas.data.tasks`.
 
 Golden tests: a **test**-split code task keeps all of them (success means passing every one; a capped
 test set would inflate accuracy). A **train**-split task keeps the first ``max_train_tests``
@@ -30,18 +31,17 @@ test set would inflate accuracy). A **train**-split task keeps the first ``max_t
 
 from __future__ import annotations
 
-import argparse
 import base64
-import functools
 import io
 import json
 import logging
 import pickle
 import zlib
 from collections.abc import Iterable, Mapping
-from importlib import resources
 from pathlib import Path
 from typing import Any
+
+from verl_mas.data.tasks import strip_math_delimiters
 
 logger = logging.getLogger(__name__)
 
@@ -51,12 +51,8 @@ __all__ = [
     "DEFAULT_MAX_TESTS",
     "MATH_FORMATS",
     "SPLITS",
-    "check_code_task",
-    "check_math_task",
     "load_tasks",
-    "project_tasks",
     "read_records",
-    "write_tasks",
 ]
 
 CODE_FORMATS = ("apps", "codecontests", "livecodebench")
@@ -72,83 +68,6 @@ SPLITS = ("train", "test")
 
 #: CodeContests' ``solutions.language`` code for Python 3.
 _CC_PYTHON3 = 3
-
-# ---------------------------------------------------------------------------------------------------
-# Task validation (the workflows call these at the start of an episode).
-
-
-def check_code_task(task: Mapping[str, Any]) -> dict[str, Any]:
-    """Validate a code task and return it as a dict with ``solution`` defaulted to None.
-
-    Raises:
-        ValueError: Listing every problem (missing question, no golden tests, non-str test fields).
-    """
-    problems = []
-    if not isinstance(task, Mapping):
-        raise ValueError(f"code task is a {type(task).__name__}, not a dict; build tasks with verl_mas.workflows.loaders")
-    if not isinstance(task.get("question"), str) or not task["question"].strip():
-        problems.append("'question' must be a non-empty str (the problem statement)")
-    tests = task.get("tests")
-    if not isinstance(tests, list) or not tests:
-        problems.append("'tests' must be a non-empty list of {'input': str, 'output': str} (the golden tests)")
-    else:
-        bad = [i for i, t in enumerate(tests) if not (isinstance(t, Mapping) and isinstance(t.get("input"), str)
-                                                       and isinstance(t.get("output"), str))]
-        if bad:
-            problems.append(f"tests {bad[:5]} are not {{'input': str, 'output': str}}")
-    if task.get("solution") is not None and not isinstance(task.get("solution"), str):
-        problems.append("'solution' must be a str (the golden program) or null")
-    if problems:
-        raise ValueError(
-            f"code task {task.get('id', '?')!r} is malformed: " + "; ".join(problems)
-            + ". Load tasks with verl_mas.workflows.loaders.load_tasks or follow the schema in its docstring."
-        )
-    return {**task, "solution": task.get("solution")}
-
-
-def check_math_task(task: Mapping[str, Any]) -> dict[str, Any]:
-    """Validate a math task (``problem`` and ``answer`` non-empty str) and return it as a dict.
-
-    Raises:
-        ValueError: Listing every problem.
-    """
-    if not isinstance(task, Mapping):
-        raise ValueError(f"math task is a {type(task).__name__}, not a dict; build tasks with verl_mas.workflows.loaders")
-    problems = [f"{key!r} must be a non-empty str" for key in ("problem", "answer")
-                if not isinstance(task.get(key), str) or not task[key].strip()]
-    if problems:
-        raise ValueError(
-            f"math task {task.get('id', '?')!r} is malformed: " + "; ".join(problems)
-            + ". Load tasks with verl_mas.workflows.loaders.load_tasks or follow the schema in its docstring."
-        )
-    return dict(task)
-
-
-# ---------------------------------------------------------------------------------------------------
-# The project-written task sets (package data).
-
-
-@functools.lru_cache(maxsize=None)
-def _project_tasks(kind: str) -> tuple[str, ...]:
-    name = {"code": "code_tasks.jsonl", "math": "math_tasks.jsonl"}.get(kind)
-    if name is None:
-        raise ValueError(f"kind is {kind!r}; the project task sets are 'code' and 'math'")
-    text = resources.files("verl_mas.workflows").joinpath("data", name).read_text(encoding="utf-8")
-    return tuple(line for line in text.splitlines() if line.strip())
-
-
-def project_tasks(kind: str) -> list[dict[str, Any]]:
-    """The small task set written for this project (``verl_mas/workflows/data/<kind>_tasks.jsonl``).
-
-    Args:
-        kind: ``"code"`` (16 stdin/stdout problems with golden solutions and tests) or ``"math"``
-            (16 short problems with answers).
-
-    Returns:
-        Fresh dicts (callers may mutate them).
-    """
-    return [json.loads(line) for line in _project_tasks(kind)]
-
 
 # ---------------------------------------------------------------------------------------------------
 # Reading files.
@@ -277,22 +196,15 @@ def _livecodebench(rec: Mapping[str, Any]) -> dict[str, Any] | None:
 # Math formats.
 
 
-def _strip_dollars(text: str) -> str:
-    text = text.strip()
-    while len(text) >= 2 and text.startswith("$") and text.endswith("$"):
-        text = text[1:-1].strip()
-    return text
-
-
 def _math(rec: Mapping[str, Any], fmt: str, index: int) -> dict[str, Any] | None:
     problem = rec.get("problem") if rec.get("problem") is not None else rec.get("question")
     answer = rec.get("answer") if rec.get("answer") is not None else rec.get("final_answer")
     if isinstance(answer, list):
-        answer = ", ".join(_strip_dollars(str(a)) for a in answer)
+        answer = ", ".join(strip_math_delimiters(str(a)) for a in answer)
     if problem is None or answer is None or not str(answer).strip():
         return None
     rid = rec.get("id", rec.get("ID", index))
-    return {"id": f"{fmt}-{rid}", "source": fmt, "problem": str(problem), "answer": _strip_dollars(str(answer))}
+    return {"id": f"{fmt}-{rid}", "source": fmt, "problem": str(problem), "answer": strip_math_delimiters(str(answer))}
 
 
 def load_tasks(
@@ -324,7 +236,7 @@ def load_tasks(
             needs one).
 
     Returns:
-        Task dicts (see the module docstring), in file order.
+        Task dicts (the schemas of :mod:`verl_mas.data.tasks`), in file order.
 
     Raises:
         ValueError: Unknown ``format`` or ``split``, a ``max_train_tests`` below 1, an unsupported file type,
@@ -357,7 +269,7 @@ def load_tasks(
         except (KeyError, TypeError, ValueError, zlib.error, pickle.UnpicklingError) as e:
             raise ValueError(
                 f"{path} record {i} is not a valid {format!r} record ({type(e).__name__}: {e}). Check that the file is "
-                f"the published {format} format (fields in verl_mas.workflows.loaders' docstring)."
+                f"the published {format} format (fields in verl_mas.data.loaders' docstring)."
             ) from e
         if task is None:
             continue
@@ -375,80 +287,3 @@ def load_tasks(
         logger.info("%s: kept the first %d golden tests of %d %s training tasks (max_train_tests)", path, cap, capped,
                     format)
     return tasks
-
-
-# ---------------------------------------------------------------------------------------------------
-# Writing verl parquet files from loaded tasks (until `python -m verl_mas.data` grows --source/--format).
-
-
-def write_tasks(workflow_id: str, tasks: list[dict[str, Any]], path: str | Path, split: str) -> Path:
-    """Write ``tasks`` as one verl parquet file in the row contract of :mod:`verl_mas.data`.
-
-    Args:
-        workflow_id: The workflow the rows are for (``code-v0``, ``math-v0``, ...).
-        tasks: Task dicts, e.g. from :func:`load_tasks`.
-        path: Output ``.parquet`` file (parent directories created).
-        split: ``"train"`` or ``"test"``.
-    """
-    from verl_mas.data import write_split
-
-    return write_split(workflow_id, tasks, path, split)
-
-
-# ---------------------------------------------------------------------------------------------------
-# Command lines (this module's and `python -m verl_mas.data --source`).
-
-
-def add_max_tests_flag(parser: Any) -> None:  # an ArgumentParser or argument group
-    """Add ``--max-tests N|all`` to an ``argparse`` parser; read it back with :func:`max_train_tests_flag`."""
-
-    def parse(text: str) -> int | None:
-        if text.strip().lower() == "all":
-            return None
-        if not text.strip().isdigit() or int(text) < 1:
-            raise argparse.ArgumentTypeError(f"{text!r} is not an int >= 1 or 'all'")
-        return int(text)
-
-    parser.add_argument(
-        "--max-tests", type=parse, default=argparse.SUPPRESS, metavar="N|all",
-        help=f"--split train only: golden tests kept per code task, public first (default {DEFAULT_MAX_TESTS}; 'all': "
-        "no cap). --split test always keeps every golden test, so that success means passing all of them",
-    )
-
-
-def max_train_tests_flag(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int | None:
-    """The ``max_train_tests`` for parsed ``args``; a parser error when ``--max-tests`` comes with ``--split test``."""
-    if "max_tests" not in vars(args):
-        return DEFAULT_MAX_TESTS
-    if args.split == "test":
-        parser.error("--max-tests caps the golden tests of the training split only; test tasks keep every golden test "
-                     "(a capped test set inflates accuracy). Drop --max-tests, or use --split train.")
-    return args.max_tests
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m verl_mas.workflows.loaders --format apps --source FILE --workflow code-v0 --split test --out X.parquet``."""
-    parser = argparse.ArgumentParser(prog="python -m verl_mas.workflows.loaders",
-                                     description="Convert a published dataset file into a verl_mas parquet file.")
-    parser.add_argument("--format", required=True, choices=FORMATS)
-    parser.add_argument("--source", required=True, help="local .jsonl/.json/.parquet file in the published format")
-    parser.add_argument("--workflow", required=True, help="workflow id, e.g. code-v0 or math-v0")
-    parser.add_argument("--split", required=True, choices=("train", "test"))
-    parser.add_argument("--out", required=True, help="output .parquet file")
-    parser.add_argument("--start", type=int, default=0, help="first record (file order)")
-    parser.add_argument("--stop", type=int, default=None, help="one past the last record")
-    add_max_tests_flag(parser)
-    parser.add_argument("--include-generated", action="store_true", help="CodeContests: add generated_tests")
-    parser.add_argument("--require-solution", action="store_true", help="code: skip tasks without a golden solution")
-    args = parser.parse_args(argv)
-    max_train_tests = max_train_tests_flag(parser, args)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    tasks = load_tasks(args.source, args.format, split=args.split, start=args.start, stop=args.stop,
-                       max_train_tests=max_train_tests, include_generated=args.include_generated,
-                       require_solution=args.require_solution)
-    write_tasks(args.workflow, tasks, args.out, args.split)
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,12 +1,8 @@
-"""Test doubles for workflows: scripted and random LLMs, ``run_workflow`` and the ``check_workflow`` checker.
+"""The test doubles: :class:`ScriptedLLM` (replies from a script), :class:`RandomLLM` (random text) and the tokenizer.
 
-Everything here runs in-process on CPU with a real tokenizer (the project's tiny ChatML tokenizer by
-default): no GPU, model, Ray or verl trainer. Typical use in a workflow's own tests::
-
-    from verl_mas.testing import ScriptedLLM, check_workflow, run_workflow
-
-    episode = run_workflow(MyWorkflow, TASK, llm=ScriptedLLM({"solver": ["(3+5)*2"]}), branching=4)
-    check_workflow(MyWorkflow, TASK)   # roles, rewards, one prompt per group, termination, seeds
+Both are :class:`~verl_mas.client.LLMClient` implementations that encode their replies with a real
+tokenizer (the project's tiny ChatML tokenizer, :func:`default_tokenizer`, unless told otherwise) and
+record every request, so a test can assert on what a workflow asked for.
 """
 
 from __future__ import annotations
@@ -22,22 +18,7 @@ from typing import Any
 
 from verl_mas.chat import Message
 from verl_mas.client import GenerateRequest, Sample, fan_out
-from verl_mas.conformance import WorkflowCheckError, acheck_workflow, check_workflow, run_sync
-from verl_mas.engine import run_episode
-from verl_mas.episode import Episode, EpisodeConfig
-from verl_mas.registry import get_workflow
-from verl_mas.workflow import Workflow
 
-__all__ = [
-    "RandomLLM",
-    "ScriptedLLM",
-    "WorkflowCheckError",
-    "acheck_workflow",
-    "arun_workflow",
-    "check_workflow",
-    "default_tokenizer",
-    "run_workflow",
-]
 
 Reply = str | BaseException
 #: Per-role replies (a list cycled through, or one string), or a callable ``(role, messages) -> str``.
@@ -222,97 +203,3 @@ class RandomLLM(_CountingClient):
 
         return await fan_out(request.n, lambda i: self._timed(lambda: reply(i)))
 
-
-def _make_client(llm: Any, seed: int, tokenizer: Any) -> Any:
-    if llm is None or llm == "random":
-        return RandomLLM(seed, tokenizer=tokenizer)
-    if isinstance(llm, str):
-        raise ValueError(
-            f"llm={llm!r}: pass 'random', a ScriptedLLM (or its script: a dict or callable), or an LLMClient"
-        )
-    if hasattr(llm, "generate") and callable(llm.generate):
-        if getattr(llm, "tokenizer", False) is None:
-            llm.tokenizer = tokenizer
-        return llm
-    if isinstance(llm, Mapping) or callable(llm):
-        return ScriptedLLM(llm, tokenizer=tokenizer)
-    raise TypeError(
-        f"llm must be 'random', a script, a ScriptedLLM/RandomLLM or an LLMClient, not {type(llm).__name__}"
-    )
-
-
-async def arun_workflow(
-    workflow: str | type[Workflow],
-    task: Any = None,
-    llm: Any = None,
-    *,
-    branching: int = 4,
-    max_turns: int = 4,
-    seed: int = 0,
-    alpha: float = 1.0,
-    tie_break: str = "first",
-    request_timeout_s: float | None = None,
-    tokenizer: Any = None,
-    task_uid: str = "task0",
-) -> Episode:
-    """Async :func:`run_workflow`, for use inside a running event loop (async tests)."""
-    cls = get_workflow(workflow)
-    if task is None:
-        task = cls.example_task
-        if task is None:
-            raise ValueError(f"no task given and {cls.__qualname__}.example_task is None; pass a task")
-    tokenizer = default_tokenizer() if tokenizer is None else tokenizer
-    config = EpisodeConfig(
-        branching=branching, max_turns=max_turns, alpha=alpha, tie_break=tie_break, request_timeout_s=request_timeout_s
-    )
-    client = _make_client(llm, seed, tokenizer)
-    return await run_episode(cls, task, client=client, tokenizer=tokenizer, config=config, seed=seed, task_uid=task_uid)
-
-
-def run_workflow(
-    workflow: str | type[Workflow],
-    task: Any = None,
-    llm: Any = None,
-    *,
-    branching: int = 4,
-    max_turns: int = 4,
-    seed: int = 0,
-    alpha: float = 1.0,
-    tie_break: str = "first",
-    request_timeout_s: float | None = None,
-    tokenizer: Any = None,
-    task_uid: str = "task0",
-) -> Episode:
-    """Run one episode in-process (no Ray, no verl trainer) and return its :class:`~verl_mas.Episode`.
-
-    Args:
-        workflow: Class, id, or ``"package.module:Class"``.
-        task: The task; defaults to the class's ``example_task``.
-        llm: ``"random"`` (default), a :class:`ScriptedLLM`, a script (dict or callable, wrapped in a
-            ScriptedLLM), or any :class:`~verl_mas.client.LLMClient`.
-        branching: K. max_turns: T. seed: episode seed. alpha: team-reward weight.
-        tie_break: ``"first"`` or ``"random"``.
-        request_timeout_s: Per-request timeout (an infrastructure failure when hit).
-        tokenizer: Defaults to :func:`default_tokenizer`.
-        task_uid: Task id used in group keys.
-
-    Raises:
-        RuntimeError: When called from a running event loop; ``await arun_workflow(...)`` there.
-    """
-    return run_sync(
-        "run_workflow()",
-        "await verl_mas.testing.arun_workflow(...)",
-        arun_workflow(
-            workflow,
-            task,
-            llm,
-            branching=branching,
-            max_turns=max_turns,
-            seed=seed,
-            alpha=alpha,
-            tie_break=tie_break,
-            request_timeout_s=request_timeout_s,
-            tokenizer=tokenizer,
-            task_uid=task_uid,
-        )
-    )

@@ -9,15 +9,15 @@ consistently, every candidate rewarded with a finite float, one prompt per group
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Coroutine, Sequence
-from typing import Any, TypeVar
+from collections.abc import Sequence
+from typing import Any
 
 from verl_mas.episode import Episode
 from verl_mas.errors import LLMClientError, WorkflowError
 from verl_mas.registry import get_workflow, workflow_name
+from verl_mas.testing.llms import RandomLLM, default_tokenizer
+from verl_mas.testing.runner import arun_workflow, run_sync
 from verl_mas.workflow import Workflow, validate_workflow_class
-
-T = TypeVar("T")
 
 __all__ = ["WorkflowCheckError", "acheck_workflow", "check_workflow"]
 
@@ -95,20 +95,6 @@ def _token_drift(ep: Episode, tokenizer: Any) -> list[str]:
     return problems
 
 
-def run_sync(what: str, instead: str, coro: Coroutine[Any, Any, T]) -> T:
-    """Run ``coro`` to completion from synchronous code (the sync twins of the async test helpers).
-
-    Raises:
-        RuntimeError: When called from a running event loop, where ``instead`` must be awaited.
-    """
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(coro)
-    coro.close()  # never started: close it so Python does not warn that it was never awaited
-    raise RuntimeError(f"{what} cannot run inside a running event loop (e.g. an async test); use `{instead}` there.")
-
-
 async def acheck_workflow(
     workflow: str | type[Workflow],
     task: Any = None,
@@ -135,8 +121,6 @@ async def acheck_workflow(
         raise WorkflowCheckError(f"{name}: pass a task (the class has no example_task)")
     if not seeds:
         raise ValueError("seeds must name at least one seed")
-    from verl_mas.testing import RandomLLM, arun_workflow, default_tokenizer  # testing re-exports this module
-
     tokenizer = default_tokenizer() if tokenizer is None else tokenizer
     runs = [(s, branching) for s in seeds] + [(seeds[0], branching), (seeds[0], 1)]  # rerun: determinism; K=1
     results: list[Episode | None] = []

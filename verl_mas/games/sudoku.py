@@ -22,7 +22,7 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
-from verl_mas.workflows.games.common import Step
+from verl_mas.games.common import Step
 
 __all__ = [
     "INVALID",

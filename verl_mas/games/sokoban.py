@@ -28,7 +28,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from verl_mas.workflows.games.common import DELTAS, Step, manhattan
+from verl_mas.games.common import DELTAS, Step, manhattan
 
 __all__ = [
     "BOX_OFF_GOAL",

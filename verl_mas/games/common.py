@@ -1,4 +1,4 @@
-"""Shared pieces of the game logic: move parsing, code extraction, step results and split assignment.
+"""Shared pieces of the game logic: move parsing, step results, cells and split assignment.
 
 Everything here is pure (no prompts, no models, no I/O) so the games can be tested on their own.
 """
@@ -19,7 +19,6 @@ __all__ = [
     "Step",
     "as_cell",
     "draw_for_split",
-    "extract_code",
     "format_moves",
     "manhattan",
     "parse_moves",
@@ -35,7 +34,6 @@ DELTAS: dict[str, tuple[int, int]] = {"U": (-1, 0), "D": (1, 0), "L": (0, -1), "
 _ALIASES: dict[str, str] = {"u": "U", "d": "D", "l": "L", "r": "R", "up": "U", "down": "D", "left": "L", "right": "R"}
 _LIST_RE = re.compile(r"\[([^\[\]]*)\]")
 _ITEM_SPLIT_RE = re.compile(r"[\s,]+")
-_FENCE_RE = re.compile(r"```[ \t]*(?:python|py|python3)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
 
 #: The two dataset splits ``generate_task`` accepts.
 SPLITS = ("train", "test")
@@ -101,15 +99,6 @@ def parse_moves(text: str, max_moves: int) -> list[str] | None:
 def format_moves(moves: list[str]) -> str:
     """``["U", "R"]`` -> ``'["U", "R"]'``: the canonical answer format."""
     return "[" + ", ".join(f'"{m}"' for m in moves) + "]"
-
-
-def extract_code(text: str) -> str | None:
-    """The last fenced code block (```python ... ``` or ``` ... ```) of ``text``, or None if there is none."""
-    blocks = _FENCE_RE.findall(text)
-    if not blocks:
-        return None
-    code = blocks[-1]
-    return code if code.strip() else None
 
 
 def split_of(key: str) -> str:
