@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from verl_mas.data import canonical_json, make_rows
-from verl_mas.episode import EpisodeConfig
+from verl_mas.settings import EpisodeConfig
 from verl_mas.evaluate import LocalModelClient, evaluate
 from verl_mas.testing import ScriptedLLM, default_tokenizer
 

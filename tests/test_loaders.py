@@ -156,7 +156,7 @@ def test_recipe_composes_with_paper_settings(name: str) -> None:
     assert cfg.actor_rollout_ref.actor.use_dynamic_bsz
     # Qwen3 in non-thinking mode, as in the paper: verl's own key, which the mas agent loop renders prompts with.
     assert cfg.data.apply_chat_template_kwargs == {"enable_thinking": False}
-    from verl_mas.trainer import check_run_config
+    from verl_mas.startup import check_run_config
 
     check_run_config(cfg)  # the trainer's start-up checks pass (they raise listing every problem)
     assert cfg.actor_rollout_ref.model.path == "/models/Qwen3-1.7B"

@@ -291,7 +291,8 @@ async def test_every_key_of_the_mas_block_has_an_effect(tiny_model_dir: Path) ->
     from verl_mas import run_episode, sandbox
     from verl_mas.advantage.at_grpo import compute_at_grpo_outcome_advantage
     from verl_mas.testing import ScriptedLLM
-    from verl_mas.trainer import GroupPromptMismatchError, prepare_verl_config, tune_replay_buffer
+    from verl_mas.startup import prepare_verl_config
+    from verl_mas.trainer import GroupPromptMismatchError, tune_replay_buffer
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     walk = {"start": 0, "goal": 5}
@@ -406,7 +407,7 @@ async def test_every_key_of_the_mas_block_has_an_effect(tiny_model_dir: Path) ->
 
 
 def test_episode_settings_have_one_validator_for_the_engine_and_the_mas_block() -> None:
-    from verl_mas.episode import EpisodeConfig, EpisodeSettings
+    from verl_mas.settings import EpisodeConfig, EpisodeSettings
 
     # Before, mas.alpha=nan passed the mas: block's validator and failed later in EpisodeConfig, inside a
     # rollout worker. Now both report the same problems, the block's prefixed with "mas.".

@@ -224,7 +224,7 @@ def _cpu_recipe(tmp_path: Path, *overrides: str):
 
 
 def test_start_up_reports_every_problem_in_one_error(tmp_path: Path) -> None:
-    from verl_mas.trainer import check_run_config
+    from verl_mas.startup import check_run_config
 
     # A bad route, an unused policy, a misspelled nested override, an unrouted role (relay-v0's runner),
     # a NaN alpha and a rollout setting one process reads for all policies: one error names them all.
@@ -251,7 +251,7 @@ def test_start_up_reports_every_problem_in_one_error(tmp_path: Path) -> None:
 
 
 def test_several_trainable_policies_on_vllm_are_refused_at_start_up(tmp_path: Path) -> None:
-    from verl_mas.trainer import check_run_config
+    from verl_mas.startup import check_run_config
 
     cfg = _cpu_recipe(tmp_path, "mas_policies=per_role_models", "actor_rollout_ref.rollout.name=vllm")
     with pytest.raises(MasConfigError, match=r"several trainable policies \(\['caller', 'runner'\]\) with "
@@ -264,7 +264,7 @@ def test_per_policy_settings_reach_the_policys_trainer_view_and_sampling(tmp_pat
     from omegaconf import OmegaConf
 
     from verl_mas.agent_loop import MasAgentLoop
-    from verl_mas.trainer import check_run_config
+    from verl_mas.startup import check_run_config
     from verl_mas.policies.stacks import PolicyStack
     from verl_mas.trainer import MasTrainer
 

@@ -56,3 +56,41 @@ def test_the_ablation_table_lists_the_settings_the_benchmark_and_tests_run() -> 
     text = (Path(__file__).resolve().parents[1] / "docs" / "training.md").read_text()
     for name, overrides in ABLATIONS.items():
         assert f"| `{' '.join(overrides)}` |" in text, name
+
+
+README = DOC.parents[1] / "README.md"
+PACKAGE = Path(verl_mas.__file__).parent
+
+
+def _layout_entries(readme: str) -> list[str]:
+    """The package entries the README's layout block lists (``  name.py`` / ``  name/`` lines under verl_mas/)."""
+    block = readme.split("## Layout", 1)[1].split("```", 2)[1]
+    return re.findall(r"^  (\S+?)/?\s{2,}", block, flags=re.M)
+
+
+def _package_entries(root: Path) -> list[str]:
+    return sorted(p.name for p in root.iterdir() if p.name not in ("__init__.py", "py.typed", "__pycache__")
+                  and (p.suffix == ".py" or (p.is_dir() and (p / "__init__.py").exists())))
+
+
+def test_readme_layout_matches_the_package(tmp_path: Path) -> None:
+    listed = sorted(e.removesuffix("/") for e in _layout_entries(README.read_text()))
+    actual = sorted(n.removesuffix(".py") if n.endswith(".py") else n for n in _package_entries(PACKAGE))
+    assert [e.removesuffix(".py") for e in listed] == actual
+    # Negative control: a module the README does not list is caught.
+    (tmp_path / "pkg").mkdir()
+    for name in ("a.py", "b.py", "__init__.py"):
+        (tmp_path / "pkg" / name).write_text("")
+    assert _package_entries(tmp_path / "pkg") == ["a.py", "b.py"]
+    assert _layout_entries("## Layout\n```\nverl_mas/\n  a.py      the a\n  sub/      a package\n```\n") == ["a.py", "sub"]
+
+
+def test_a_module_over_400_lines_says_why() -> None:
+    import ast
+
+    long = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        text = path.read_text()
+        if text.count("\n") > 420 and "Why" not in (ast.get_docstring(ast.parse(text)) or ""):
+            long.append(f"{path.relative_to(PACKAGE)} ({text.count(chr(10))} lines)")
+    assert not long, f"modules over ~400 lines whose docstring does not say why: {long}"

@@ -10,7 +10,8 @@ from __future__ import annotations
 from verl_mas.chat import Message, assistant, render_prompt, system, user
 from verl_mas.client import GenerateRequest, LLMClient, Sample, fan_out
 from verl_mas.engine import run_episode
-from verl_mas.episode import Candidate, Candidates, Episode, EpisodeConfig, group_key
+from verl_mas.episode import Candidate, Candidates, Episode, group_key
+from verl_mas.settings import EpisodeConfig
 from verl_mas.errors import ContextOverflowError, InfraError, LLMClientError, WorkflowError
 from verl_mas.registry import get_workflow, register_workflow, registered_workflows
 from verl_mas.workflow import Workflow

@@ -30,7 +30,7 @@ from dataclasses import InitVar, dataclass, field, fields
 from typing import Any
 
 from verl_mas.advantage.groups import GROUPING_MODES
-from verl_mas.episode import EpisodeConfig, EpisodeSettings
+from verl_mas.settings import EpisodeConfig, EpisodeSettings
 
 __all__ = ["ABLATIONS", "MAS_TRAINER_MARK", "MasConfig", "MasConfigError", "mas_trainer_selected"]
 
@@ -63,7 +63,7 @@ class MasConfigError(ValueError):
 @dataclass(frozen=True)
 class MasConfig(EpisodeSettings):
     """The ``mas:`` block: the episode settings (``branching``, ``max_turns``, ``alpha``, ``tie_break``,
-    ``request_timeout_s``, declared once in :class:`verl_mas.episode.EpisodeSettings`) and the rest below."""
+    ``request_timeout_s``, declared once in :class:`verl_mas.settings.EpisodeSettings`) and the rest below."""
 
     grouping: str = "agent_turn"
     """Advantage groups: ``agent_turn`` (AT-GRPO: task, role, turn), ``agent`` (task, role) or

@@ -19,7 +19,8 @@ from typing import Any
 
 from verl_mas.chat import render_prompt
 from verl_mas.client import GenerateRequest, LLMClient, Sample, validate_samples
-from verl_mas.episode import GROUP_KEY_SEP, Candidate, Candidates, Episode, EpisodeConfig, group_key
+from verl_mas.episode import GROUP_KEY_SEP, Candidate, Candidates, Episode, group_key
+from verl_mas.settings import EpisodeConfig
 from verl_mas.errors import INFRA_EXCEPTIONS, ContextOverflowError, InfraError, LLMClientError, WorkflowError
 from verl_mas.registry import get_workflow, workflow_name
 from verl_mas.workflow import Workflow

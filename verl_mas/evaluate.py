@@ -33,7 +33,7 @@ from typing import Any
 
 from verl_mas.client import GenerateRequest, LLMClient, Sample
 from verl_mas.engine import run_episode
-from verl_mas.episode import EpisodeConfig
+from verl_mas.settings import EpisodeConfig
 from verl_mas.routing import RoleRoutedClient, RoleRouter, roles_of_workflows
 
 logger = logging.getLogger(__name__)

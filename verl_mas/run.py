@@ -60,7 +60,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--tokenizer", help="a tokenizer directory (default: the tiny built-in tokenizer)")
     args = parser.parse_args(argv)
 
-    from verl_mas.episode import EpisodeConfig
+    from verl_mas.settings import EpisodeConfig
     from verl_mas.registry import get_workflow, registered_workflows
     from verl_mas.testing import ScriptedLLM, run_workflow
 

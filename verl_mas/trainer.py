@@ -1,8 +1,8 @@
 """The ``mas`` trainer mode: one AT-GRPO step inside verl's synchronous PPO trainer.
 
 Selected with ``trainer.v1.trainer_mode=mas`` (registered through ``register_trainer``). At start-up it
-checks the whole run config in one pass (:func:`check_run_config`) and adapts verl's config
-(:func:`prepare_verl_config`). In every step it changes verl's advantage computation:
+checks the whole run config in one pass and adapts verl's config (:mod:`verl_mas.startup`). In every
+step it changes verl's advantage computation:
 
 1. fetch the :class:`verl_mas.rows.CandidateRow` the agent loop stored with every candidate;
 2. rebuild the token-level scores from each candidate's own reward (verl copies the last output's score
@@ -40,7 +40,6 @@ from tensordict import NonTensorStack, TensorDict
 from verl.trainer.ppo.v1.trainer_base import register_trainer
 from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 
-from verl_mas.advantage.at_grpo import ESTIMATOR_NAME, SINGLETON_KEY
 from verl_mas.advantage.groups import (
     MEMBER_SEP,
     group_ids,
@@ -48,12 +47,11 @@ from verl_mas.advantage.groups import (
     group_key,
     group_stats,
 )
-from verl_mas.config import MAS_TRAINER_MARK, MasConfig, MasConfigError
+from verl_mas.config import MasConfig
 from verl_mas.minibatch import actor_dp_size, required_batch_multiple, update_mini_batch_size
-from verl_mas.policies import policy_configs_and_problems, shared_rollout_problems
 from verl_mas.policies.stacks import MultiPolicyTrainer
-from verl_mas.routing import RoleRouter, roles_of_workflows, workflows_in_data
 from verl_mas.rows import CandidateRow, rows_from_verl
+from verl_mas.startup import check_run_config, prepare_verl_config
 
 logger = logging.getLogger(__name__)
 
@@ -144,88 +142,6 @@ class MasTrainer(MultiPolicyTrainer, PPOTrainerSync):
         expected = None if sampled is None else len(sampled.uids) * int(self.config.actor_rollout_ref.rollout.n)
         metrics.update(mas_metrics(rows, groups, padding, episodes, expected_episodes=expected))
         return batch
-
-
-def check_run_config(config: Any) -> tuple[MasConfig, dict[str, Any]]:
-    """Every start-up problem of a verl_mas run, collected in one pass and raised once.
-
-    Checks the ``mas:`` block, the algorithm and sampling settings it implies, every policy's overrides
-    (unknown keys, keys one process reads for all policies, rollout backends that cannot serve several
-    policies) and the routing of every role of every workflow in the data.
-
-    Args:
-        config: verl's full config (``algorithm``, ``actor_rollout_ref``, ``data``, ``mas``, ...).
-
-    Returns:
-        The ``mas:`` block and each policy's full ``actor_rollout_ref``.
-
-    Raises:
-        MasConfigError: listing every problem, each with its fix.
-    """
-    block = config.get("mas", None) if hasattr(config, "get") else None
-    mas, problems = MasConfig.parse(block)
-    algorithm = config.algorithm
-    estimator = algorithm.adv_estimator
-    if estimator != ESTIMATOR_NAME:
-        problems.append(
-            f"algorithm.adv_estimator is {estimator!r}, but trainer.v1.trainer_mode=mas builds AT-GRPO groups "
-            f"for the {ESTIMATOR_NAME!r} estimator. Set algorithm.adv_estimator={ESTIMATOR_NAME}."
-        )
-    chosen = algorithm.get(SINGLETON_KEY, None)
-    if chosen is not None and chosen != mas.singleton_advantage:
-        problems.append(
-            f"algorithm.{SINGLETON_KEY} is {chosen!r} but mas.singleton_advantage is {mas.singleton_advantage!r}; "
-            f"the mas trainer sets algorithm.{SINGLETON_KEY} from mas.singleton_advantage. Set only the latter."
-        )
-    n = int(config.actor_rollout_ref.rollout.n)
-    if mas.sampling == "tree" and n != 1:
-        problems.append(
-            f"actor_rollout_ref.rollout.n is {n}, but mas.sampling=tree samples K={mas.branching} candidates "
-            "inside each episode; extra sessions would be independent episodes. Set rollout.n=1."
-        )
-    if mas.sampling == "parallel" and n < 2:
-        problems.append(
-            "mas.sampling=parallel draws K independent episodes per task through verl's rollout.n; set "
-            "actor_rollout_ref.rollout.n=K (e.g. 4)."
-        )
-    if mas.grouping == "trajectory" and mas.sampling != "parallel":
-        problems.append(
-            "mas.grouping=trajectory normalises each episode's outcome over the task's episodes, but "
-            f"mas.sampling={mas.sampling} runs one episode per task, so every group would be a singleton "
-            "(no signal). Use mas.sampling=parallel mas.branching=1 actor_rollout_ref.rollout.n=K."
-        )
-    configs: dict[str, Any] = {}
-    if isinstance(mas.policies, Mapping) and mas.policies:
-        configs, override_problems = policy_configs_and_problems(config.actor_rollout_ref, mas)
-        problems.extend(override_problems)
-        if configs:
-            problems.extend(shared_rollout_problems(configs, mas))
-    if mas.multi_policy and isinstance(mas.roles, Mapping):
-        workflows = workflows_in_data(config) or ([mas.workflow] if mas.workflow else [])
-        problems.extend(RoleRouter.from_mas(mas).problems(roles_of_workflows(workflows)))
-    if problems:
-        raise MasConfigError(
-            f"verl_mas cannot start: {len(problems)} problem(s) in the config:\n  - " + "\n  - ".join(problems)
-        )
-    return mas, configs
-
-
-def prepare_verl_config(config: Any, mas: MasConfig, policy_configs: dict[str, Any]) -> None:
-    """What the ``mas`` trainer changes in verl's config before verl's trainer reads it (in place).
-
-    - ``trainer.v1.trainer_mode`` reads ``sync``: verl compares it with the literal "sync" in several places
-      (replay buffer, batch sizes) and this mode is synchronous; ``trainer.v1.mas_trainer`` marks the config
-      so that the ``mas`` agent loop knows it runs under this trainer;
-    - ``algorithm.at_grpo_singleton`` carries ``mas.singleton_advantage`` to the ``at_grpo`` estimator;
-    - ``actor_rollout_ref`` becomes the first policy's (the recipe's with its overrides).
-    """
-    primary = mas.policy_names[0]
-    with open_dict(config):
-        config.trainer.v1.trainer_mode = "sync"
-        config.trainer.v1[MAS_TRAINER_MARK] = True
-        config.algorithm[SINGLETON_KEY] = mas.singleton_advantage
-        if mas.policies[primary]:
-            config.actor_rollout_ref = policy_configs[primary]
 
 
 @dataclass(frozen=True)

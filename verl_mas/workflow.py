@@ -34,7 +34,8 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 if TYPE_CHECKING:
     from verl_mas.engine import EpisodeRuntime
-    from verl_mas.episode import Candidates, EpisodeConfig
+    from verl_mas.episode import Candidates
+    from verl_mas.settings import EpisodeConfig
 
 __all__ = ["Workflow", "validate_workflow_class"]
 

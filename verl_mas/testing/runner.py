@@ -11,7 +11,8 @@ from collections.abc import Coroutine, Mapping
 from typing import Any, TypeVar
 
 from verl_mas.engine import run_episode
-from verl_mas.episode import Episode, EpisodeConfig
+from verl_mas.episode import Episode
+from verl_mas.settings import EpisodeConfig
 from verl_mas.registry import get_workflow
 from verl_mas.testing.llms import RandomLLM, ScriptedLLM, default_tokenizer
 from verl_mas.workflow import Workflow

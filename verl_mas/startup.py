@@ -1,0 +1,102 @@
+"""Start-up of a verl_mas run: every problem of the config found in one pass, and what the ``mas`` trainer
+changes in verl's config before verl reads it.
+
+Called by :class:`verl_mas.trainer.MasTrainer` before verl builds anything (workers, pools, datasets),
+so a bad recipe fails in seconds with one error listing every problem and its fix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from omegaconf import open_dict
+
+from verl_mas.advantage.at_grpo import ESTIMATOR_NAME, SINGLETON_KEY
+from verl_mas.config import MAS_TRAINER_MARK, MasConfig, MasConfigError
+from verl_mas.policies import policy_configs_and_problems, shared_rollout_problems
+from verl_mas.routing import RoleRouter, roles_of_workflows, workflows_in_data
+
+__all__ = ["check_run_config", "prepare_verl_config"]
+
+
+def check_run_config(config: Any) -> tuple[MasConfig, dict[str, Any]]:
+    """Every start-up problem of a verl_mas run, collected in one pass and raised once.
+
+    Checks the ``mas:`` block, the algorithm and sampling settings it implies, every policy's overrides
+    (unknown keys, keys one process reads for all policies, rollout backends that cannot serve several
+    policies) and the routing of every role of every workflow in the data.
+
+    Args:
+        config: verl's full config (``algorithm``, ``actor_rollout_ref``, ``data``, ``mas``, ...).
+
+    Returns:
+        The ``mas:`` block and each policy's full ``actor_rollout_ref``.
+
+    Raises:
+        MasConfigError: listing every problem, each with its fix.
+    """
+    block = config.get("mas", None) if hasattr(config, "get") else None
+    mas, problems = MasConfig.parse(block)
+    algorithm = config.algorithm
+    estimator = algorithm.adv_estimator
+    if estimator != ESTIMATOR_NAME:
+        problems.append(
+            f"algorithm.adv_estimator is {estimator!r}, but trainer.v1.trainer_mode=mas builds AT-GRPO groups "
+            f"for the {ESTIMATOR_NAME!r} estimator. Set algorithm.adv_estimator={ESTIMATOR_NAME}."
+        )
+    chosen = algorithm.get(SINGLETON_KEY, None)
+    if chosen is not None and chosen != mas.singleton_advantage:
+        problems.append(
+            f"algorithm.{SINGLETON_KEY} is {chosen!r} but mas.singleton_advantage is {mas.singleton_advantage!r}; "
+            f"the mas trainer sets algorithm.{SINGLETON_KEY} from mas.singleton_advantage. Set only the latter."
+        )
+    n = int(config.actor_rollout_ref.rollout.n)
+    if mas.sampling == "tree" and n != 1:
+        problems.append(
+            f"actor_rollout_ref.rollout.n is {n}, but mas.sampling=tree samples K={mas.branching} candidates "
+            "inside each episode; extra sessions would be independent episodes. Set rollout.n=1."
+        )
+    if mas.sampling == "parallel" and n < 2:
+        problems.append(
+            "mas.sampling=parallel draws K independent episodes per task through verl's rollout.n; set "
+            "actor_rollout_ref.rollout.n=K (e.g. 4)."
+        )
+    if mas.grouping == "trajectory" and mas.sampling != "parallel":
+        problems.append(
+            "mas.grouping=trajectory normalises each episode's outcome over the task's episodes, but "
+            f"mas.sampling={mas.sampling} runs one episode per task, so every group would be a singleton "
+            "(no signal). Use mas.sampling=parallel mas.branching=1 actor_rollout_ref.rollout.n=K."
+        )
+    configs: dict[str, Any] = {}
+    if isinstance(mas.policies, Mapping) and mas.policies:
+        configs, override_problems = policy_configs_and_problems(config.actor_rollout_ref, mas)
+        problems.extend(override_problems)
+        if configs:
+            problems.extend(shared_rollout_problems(configs, mas))
+    if mas.multi_policy and isinstance(mas.roles, Mapping):
+        workflows = workflows_in_data(config) or ([mas.workflow] if mas.workflow else [])
+        problems.extend(RoleRouter.from_mas(mas).problems(roles_of_workflows(workflows)))
+    if problems:
+        raise MasConfigError(
+            f"verl_mas cannot start: {len(problems)} problem(s) in the config:\n  - " + "\n  - ".join(problems)
+        )
+    return mas, configs
+
+
+def prepare_verl_config(config: Any, mas: MasConfig, policy_configs: dict[str, Any]) -> None:
+    """What the ``mas`` trainer changes in verl's config before verl's trainer reads it (in place).
+
+    - ``trainer.v1.trainer_mode`` reads ``sync``: verl compares it with the literal "sync" in several places
+      (replay buffer, batch sizes) and this mode is synchronous; ``trainer.v1.mas_trainer`` marks the config
+      so that the ``mas`` agent loop knows it runs under this trainer;
+    - ``algorithm.at_grpo_singleton`` carries ``mas.singleton_advantage`` to the ``at_grpo`` estimator;
+    - ``actor_rollout_ref`` becomes the first policy's (the recipe's with its overrides).
+    """
+    primary = mas.policy_names[0]
+    with open_dict(config):
+        config.trainer.v1.trainer_mode = "sync"
+        config.trainer.v1[MAS_TRAINER_MARK] = True
+        config.algorithm[SINGLETON_KEY] = mas.singleton_advantage
+        if mas.policies[primary]:
+            config.actor_rollout_ref = policy_configs[primary]
