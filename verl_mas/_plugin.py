@@ -100,7 +100,9 @@ def _attempt(caller: str | None = None) -> None:
     except Exception as exc:  # re-raised below: verl would otherwise hide it at DEBUG level
         under_way = _modules_under_way(caller)
         if under_way:
-            DEFERRED = True
+            # A nested attempt (from a module finishing inside this one's imports) may have set LOADED before
+            # this one failed: the registration is not whole until an attempt succeeds from the outside.
+            LOADED, DEFERRED = False, True
             logger.debug("verl_mas registration deferred until %s finish importing (%s)", under_way, exc)
             return
         _warn(exc)

@@ -7,6 +7,7 @@ so a bad recipe fails in seconds with one error listing every problem and its fi
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -100,3 +101,9 @@ def prepare_verl_config(config: Any, mas: MasConfig, policy_configs: dict[str, A
         config.algorithm[SINGLETON_KEY] = mas.singleton_advantage
         if mas.policies[primary]:
             config.actor_rollout_ref = policy_configs[primary]
+
+
+# verl may have been imported for the first time from inside this module, before it was whole, so that
+# verl_mas's plugin had to defer its registration: finish it now (see verl_mas._plugin, "Import order").
+if (_plugin := sys.modules.get("verl_mas._plugin")) is not None:
+    _plugin.complete(__name__)
