@@ -43,7 +43,6 @@ from verl_mas.rows import CandidateRow, prompt_hash
 logger = logging.getLogger(__name__)
 
 
-
 def episode_seed(uid: str, session_id: int) -> int:
     digest = hashlib.blake2b(f"{uid}|{session_id}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & ((1 << 31) - 1)
@@ -85,7 +84,6 @@ class VerlServerClient:
         import ray
 
         routing = {"policy": self.policy} if self.policy is not None else {}
-        sampling = self.sampling_params
         turn = int(request.group_key.rpartition(GROUP_KEY_SEP)[2])
 
         async def one(i: int) -> Sample:
@@ -93,7 +91,7 @@ class VerlServerClient:
                 out = await self.server_manager.generate(
                     request_id=candidate_request_id(request.session_id, turn, i),
                     prompt_ids=list(request.prompt_ids),
-                    sampling_params=dict(sampling),
+                    sampling_params=dict(self.sampling_params),
                     **routing,
                 )
             except ray.exceptions.RayTaskError as exc:
