@@ -48,7 +48,7 @@ demo: setup
 	$(PY) -m verl_mas.report runs/quickstart/metrics.jsonl --plot runs/quickstart/curves.png
 
 test: setup vllm-env
-	VERL_MAS_VLLM_PYTHON=$(VLLM_PY) $(PY) -m pytest
+	VERL_MAS_VLLM_PYTHON=$(abspath $(VLLM_PY)) $(PY) -m pytest
 
 test-fast: setup
 	$(PY) -m pytest -m "not slow"

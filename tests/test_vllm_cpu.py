@@ -16,7 +16,9 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 SMOKE = REPO / "recipes" / "grpo_cpu_smoke" / "run.sh"
-VLLM_PYTHON = os.environ.get("VERL_MAS_VLLM_PYTHON") or str(REPO / ".venv-vllm" / "bin" / "python")
+# Absolute (not resolved: the venv interpreter is a symlink whose target is outside the venv): the recipe
+# runs from another directory.
+VLLM_PYTHON = os.path.abspath(os.environ.get("VERL_MAS_VLLM_PYTHON") or REPO / ".venv-vllm" / "bin" / "python")
 #: The CPU recipes' vLLM settings (verl_mas/conf/cpu_rollout/vllm.yaml).
 VLLM = ("cpu_rollout=vllm",)
 pytestmark = pytest.mark.slow
