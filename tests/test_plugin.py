@@ -42,6 +42,7 @@ REGISTRY_PROBE = """
         "platforms": sorted(PlatformRegistry.registered_names()),
         "rollout_replicas": sorted(RolloutReplicaRegistry._registry),
         "rollout_adapter": _ROLLOUT_REGISTRY.get(("hf", "async")),
+        "vllm_adapter": _ROLLOUT_REGISTRY.get(("vllm", "async")),
         "estimator": __import__("verl.trainer.ppo.core_algos", fromlist=["x"]).ADV_ESTIMATOR_REGISTRY["at_grpo"].__module__,
         "agent_loop": __import__("verl.experimental.agent_loop.agent_loop", fromlist=["x"])._agent_loop_registry["mas"],
         "trainer": __import__("verl.trainer.ppo.v1", fromlist=["x"]).get_trainer_cls("mas").__module__,
@@ -62,6 +63,9 @@ def test_import_verl_registers_the_plugin_in_a_fresh_interpreter() -> None:
     assert "cpu" in state["platforms"]
     assert "hf" in state["rollout_replicas"]
     assert state["rollout_adapter"] == "verl_mas.backends.hf.adapter.HFServerAdapter"
+    # verl's vllm entries point to verl_mas's policy-aware subclasses (imported only when a run selects vllm).
+    assert "vllm" in state["rollout_replicas"]
+    assert state["vllm_adapter"] == "verl_mas.backends.vllm.adapter.PolicyServerAdapter"
     assert state["estimator"] == "verl_mas.advantage.at_grpo"
     assert state["agent_loop"] == {"_target_": "verl_mas.agent_loop.MasAgentLoop"}
     assert state["trainer"] == "verl_mas.trainer"
@@ -235,13 +239,19 @@ def test_unknown_rollout_lists_the_available_ones(name: str) -> None:
     assert RolloutReplicaRegistry.get(name).__name__ == "HFReplica"
 
 
+#: Modules that import vLLM: importable only in the vLLM environment (tests/test_vllm_cpu.py imports them there).
+VLLM_ONLY = {"verl_mas.backends.vllm.adapter", "verl_mas.backends.vllm.replica"}
+
+
 def _every_module() -> list[str]:
+    import importlib.util
     import pkgutil
 
     import verl_mas
 
+    skip = VLLM_ONLY if importlib.util.find_spec("vllm") is None else set()
     return sorted(m.name for m in pkgutil.walk_packages(verl_mas.__path__, "verl_mas.")
-                  if not m.name.endswith("__main__"))
+                  if not m.name.endswith("__main__") and m.name not in skip)
 
 
 @pytest.mark.slow
@@ -264,6 +274,7 @@ def test_any_import_order_registers_everything() -> None:
     with ThreadPoolExecutor(max_workers=2) as pool:
         results = list(pool.map(probe, modules))
     expected = {"plugin_loaded": True, "rollout_adapter": "verl_mas.backends.hf.adapter.HFServerAdapter",
+                "vllm_adapter": "verl_mas.backends.vllm.adapter.PolicyServerAdapter",
                 "estimator": "verl_mas.advantage.at_grpo", "agent_loop": {"_target_": "verl_mas.agent_loop.MasAgentLoop"},
                 "trainer": "verl_mas.trainer"}
     broken = {}

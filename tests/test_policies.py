@@ -250,14 +250,20 @@ def test_start_up_reports_every_problem_in_one_error(tmp_path: Path) -> None:
     assert list(configs) == mas.policy_names == ["caller", "runner"]
 
 
-def test_several_trainable_policies_on_vllm_are_refused_at_start_up(tmp_path: Path) -> None:
+def test_several_trainable_policies_need_a_policy_aware_rollout_backend(tmp_path: Path) -> None:
     from verl_mas.startup import check_run_config
 
-    cfg = _cpu_recipe(tmp_path, "mas_policies=per_role_models", "actor_rollout_ref.rollout.name=vllm")
+    # SGLang's hybrid servers are named and weight-synced by replica rank only: two policies would collide.
+    cfg = _cpu_recipe(tmp_path, "mas_policies=per_role_models", "actor_rollout_ref.rollout.name=sglang")
     with pytest.raises(MasConfigError, match=r"several trainable policies \(\['caller', 'runner'\]\) with "
-                                             r"actor_rollout_ref.rollout.name='vllm'"):
+                                             r"actor_rollout_ref.rollout.name='sglang'"):
         check_run_config(cfg)
-    check_run_config(_cpu_recipe(tmp_path, "actor_rollout_ref.rollout.name=vllm"))  # one shared policy: fine
+    check_run_config(_cpu_recipe(tmp_path, "actor_rollout_ref.rollout.name=sglang"))  # one shared policy: fine
+    # vLLM and hf are policy-aware (verl_mas.backends.vllm, verl_mas.backends.hf).
+    for backend in ("vllm", "hf"):
+        mas, _ = check_run_config(_cpu_recipe(tmp_path, "mas_policies=per_role_models",
+                                              f"actor_rollout_ref.rollout.name={backend}"))
+        assert mas.multi_policy
 
 
 def test_per_policy_settings_reach_the_policys_trainer_view_and_sampling(tmp_path: Path) -> None:
@@ -285,6 +291,7 @@ def test_per_policy_settings_reach_the_policys_trainer_view_and_sampling(tmp_pat
     # The agent loop samples each role at its policy's temperature (training) or val_kwargs (validation).
     loop = MasAgentLoop.__new__(MasAgentLoop)
     loop.config, loop.mas_config = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True)), mas
+    loop.policy_configs = policy_configs(loop.config.actor_rollout_ref, mas)  # what __init__ computes
     assert loop._policy_sampling(validate=False)["runner"]["temperature"] == 0.5
     assert loop._policy_sampling(validate=False)["caller"]["temperature"] == 1.0
     assert loop._policy_sampling(validate=True)["runner"]["temperature"] == 0.25

@@ -132,3 +132,139 @@ def test_at_grpo_relay_on_vllm_trains_full_groups_from_synced_weights(tmp_path: 
         assert d["mas/infra_failures"] == 0.0 and d["mas/episodes"] == 8.0
         assert "mas/caller/reward/mean" in d and "mas/runner/reward/mean" in d
     print()
+
+
+def _tiny(out: Path, *args: str) -> Path:
+    subprocess.run([_vllm_python(), "-m", "verl_mas.tiny", "--out", str(out), *args], check=True, capture_output=True,
+                   timeout=300)
+    return out
+
+
+def _weights(path: Path) -> dict:
+    import torch  # noqa: F401  (safetensors returns torch tensors)
+    from safetensors.torch import load_file
+
+    return load_file(str(path / "model.safetensors"))
+
+
+def test_two_models_of_different_sizes_as_two_roles_on_vllm_route_sync_and_train_apart(tmp_path: Path,
+                                                                                       recipe_runs) -> None:
+    """Per-role models on verl's vLLM rollout: each policy's servers, names and weight sockets are its own.
+
+    Controls as in the ``hf`` test (tests/test_main_ppo_policies.py): the two models differ in size, so a
+    request served by, or a sync landing in, the other policy's server shows up as a large log-prob gap;
+    ``mas.alpha=0`` holds the runner at zero advantage, so its model must not move at all.
+    """
+    import torch
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    tasks, k = 8, 4
+    _tiny(run_dir / "model", "--hidden-size", "128", "--vocab-from", "relay-v0")
+    runner_model = _tiny(tmp_path / "runner_model", "--hidden-size", "256", "--layers", "3", "--seed", "7",
+                         "--vocab-from", "relay-v0")
+    proc, metrics = recipe_runs.run(
+        REPO / "recipes" / "at_grpo_cpu" / "run.sh", run_dir, *VLLM, f"data.train_batch_size={tasks}", "mas.alpha=0",
+        "mas_policies=per_role_models", f"mas.policies.runner.model.path={runner_model}",
+        "+mas.policies.runner.actor={optim: {weight_decay: 0.0}}", "trainer.save_freq=2",
+        "actor_rollout_ref.actor.checkpoint.save_contents=[model,optimizer,extra,hf_model]",
+        python=_vllm_python(), steps=2)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    steps = [m for m in metrics if "mas/success_rate" in m["data"]]
+    assert [m["step"] for m in steps] == [1, 2]
+    for m in steps:
+        d = m["data"]
+        print(f"\n[vllm-policies] step {m['step']}: " + " ".join(
+            f"{p}: gap={d[f'policy/{p}/training/rollout_probs_diff_mean']:.1e} "
+            f"grad_norm={d[f'policy/{p}/actor/grad_norm']:.3g} requests={d[f'policy/{p}/rollout/requests']:.0f} "
+            f"syncs={d[f'policy/{p}/rollout/weight_updates']:.0f}" for p in ("caller", "runner")), end="")
+        for policy in ("caller", "runner"):
+            assert d[f"policy/{policy}/training/rollout_probs_diff_mean"] < 1e-6, policy
+            # Every sync a policy's server loaded is its own: the initial one, then one per step.
+            assert d[f"policy/{policy}/rollout/weight_updates"] == (2.0 if m["step"] == 1 else 1.0), policy
+            # K requests per turn the role acted in, on its own policy's server only.
+            assert d[f"policy/{policy}/rollout/requests"] == round(k * tasks * d[f"mas/{policy}/turns"]), policy
+        assert d["mas/runner/reward/mean"] == 0.0 and d["policy/runner/actor/grad_norm"] == 0.0
+    print()
+    assert max(m["data"]["policy/caller/actor/grad_norm"] for m in steps) > 0
+    ckpt = run_dir / "checkpoints" / "global_step_2"
+    caller_before, caller_after = _weights(run_dir / "model"), _weights(ckpt / "actor" / "huggingface")
+    runner_before, runner_after = _weights(runner_model), _weights(ckpt / "actor_runner" / "huggingface")
+    assert runner_after["model.embed_tokens.weight"].shape[1] == 256
+    assert sum(not torch.equal(caller_before[k], caller_after[k]) for k in caller_before) > len(caller_before) // 2
+    assert all(torch.equal(runner_before[k], runner_after[k]) for k in runner_before)
+
+
+def test_a_weight_sync_the_vllm_side_fails_stops_the_run_with_the_cause(tmp_path: Path, recipe_runs) -> None:
+    """Without verl_mas's vLLM plugin, vLLM's CPU linear layers drop their weights and the first sync fails.
+
+    verl's sender waits for an acknowledgement that never comes, so the run used to hang; it must instead
+    exit non-zero within the test's timeout, naming the cause and the fix.
+    """
+    run_dir = tmp_path / "broken"
+    run_dir.mkdir()
+    _tiny_model(run_dir)
+    proc, metrics = recipe_runs.run(SMOKE, run_dir, *VLLM, python=_vllm_python(), steps=1, VLLM_PLUGINS="none")
+    log = proc.stdout + proc.stderr
+    assert proc.returncode != 0, log[-3000:]
+    assert metrics == []  # not one step trained
+    # Our error, with the fix; and vLLM's own root cause, which its workers log.
+    assert "WeightSyncError: Weight sync (policy default, replica 0, step 0) failed in the vLLM workers" in log, log[-6000:]
+    assert "VLLM_PLUGINS='none' keeps verl_mas's vLLM plugin ('verl_mas') out of vLLM's processes" in log, log[-6000:]
+    assert "Attempted to load weight (torch.Size([128, 128])) into parameter (torch.Size([0]))" in log, log[-6000:]
+
+
+PARITY_SCRIPT = '''
+import json, sys
+
+def main(model, other):
+    from transformers import AutoTokenizer
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+    from verl_mas.backends.hf.engine import HFGenerationEngine, SamplingSettings
+
+    tok = AutoTokenizer.from_pretrained(model)
+    texts = ["the caller names a word", "runner: relay the word", "hello", "a b c d e f g", "0 1 2 3 4 5 6 7 8 9"]
+    prompts = [tok(t)["input_ids"] for t in texts]
+    greedy = SamplingSettings(max_tokens=24, temperature=0.0, ignore_eos=True)
+    out = {}
+    for name, path in (("hf", model), ("hf_other_weights", other)):
+        results = HFGenerationEngine.from_pretrained(path).generate_batch([(p, greedy) for p in prompts])
+        out[name] = [r.token_ids for r in results]
+        out[name + "_logprobs"] = [r.log_probs for r in results]
+    llm = LLM(model=model, dtype="float32", enforce_eager=True, max_model_len=128, seed=0,
+              kv_cache_memory_bytes=256 << 20)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=0)
+    results = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params)
+    out["vllm"] = [list(r.outputs[0].token_ids) for r in results]
+    out["vllm_logprobs"] = [[lp[t].logprob for t, lp in zip(r.outputs[0].token_ids, r.outputs[0].logprobs)]
+                            for r in results]
+    print("PARITY " + json.dumps(out))
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
+'''
+
+
+def test_hf_and_vllm_decode_the_same_greedy_tokens_from_the_same_weights(tmp_path: Path) -> None:
+    """The CPU stand-in and vLLM agree token for token on greedy decoding (and on the tokens' log-probs).
+
+    Control: the same prompts through a model with other weights (another seed) give other tokens, so
+    agreement is not an artefact of the prompts.
+    """
+    model = _tiny(tmp_path / "model", "--hidden-size", "128")
+    other = _tiny(tmp_path / "other", "--hidden-size", "128", "--seed", "1")
+    script = tmp_path / "parity.py"
+    script.write_text(PARITY_SCRIPT)
+    proc = subprocess.run([_vllm_python(), str(script), str(model), str(other)], capture_output=True, text=True,
+                          timeout=600, cwd=tmp_path, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    import json
+
+    out = json.loads(proc.stdout.split("PARITY ", 1)[1].splitlines()[0])
+    assert len(out["vllm"]) == 5 and all(len(t) == 24 for t in out["vllm"])
+    assert out["hf"] == out["vllm"]
+    gap = max(abs(a - b) for hf, vl in zip(out["hf_logprobs"], out["vllm_logprobs"]) for a, b in zip(hf, vl))
+    print(f"[vllm-parity] 5 prompts x 24 greedy tokens identical on hf and vLLM; max log-prob gap {gap:.1e}")
+    assert gap < 1e-4
+    assert out["hf_other_weights"] != out["vllm"]

@@ -2,7 +2,10 @@
 
 verl imports this module at the end of ``import verl`` in the driver, the TaskRunner and every Ray worker.
 It only *registers* (a platform, a rollout backend, ...): nothing of stock verl is overridden unless a
-config selects it (``VERL_PLATFORM=cpu``, ``actor_rollout_ref.rollout.name=hf``, ...).
+config selects it (``VERL_PLATFORM=cpu``, ``actor_rollout_ref.rollout.name=hf``, ...). The one exception is
+``rollout.name=vllm``, whose replica and adapter entries point to subclasses of verl's own
+(:mod:`verl_mas.backends.vllm`): per-policy server names and weight sockets for tagged policies (an untagged
+config keeps verl's), request/sync counters, and a weight sync that fails instead of hanging.
 
 verl swallows plugin import errors at DEBUG level, after which a run fails much later with an unrelated
 message ("Rollout hf with mode async not found"). So a failure here is logged as a WARNING naming the
@@ -46,7 +49,13 @@ def _register() -> None:
 
     RolloutReplicaRegistry.register(BACKEND_NAME, load_replica_class)
     rollout_base._ROLLOUT_REGISTRY[(BACKEND_NAME, "async")] = ADAPTER_PATH
-    REGISTERED["rollout"] = [BACKEND_NAME]
+
+    # verl's vllm rollout, policy-aware (lazy too: vLLM is imported only when a run selects it).
+    from verl_mas.backends import vllm as vllm_backend
+
+    RolloutReplicaRegistry.register(vllm_backend.BACKEND_NAME, vllm_backend.load_replica_class)
+    rollout_base._ROLLOUT_REGISTRY[(vllm_backend.BACKEND_NAME, "async")] = vllm_backend.ADAPTER_PATH
+    REGISTERED["rollout"] = [BACKEND_NAME, vllm_backend.BACKEND_NAME]
 
     # The AT-GRPO advantage estimator (algorithm.adv_estimator=at_grpo).
     from verl_mas.advantage import at_grpo

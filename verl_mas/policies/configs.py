@@ -21,11 +21,12 @@ __all__ = ["POLICY_AWARE_ROLLOUTS", "ROLLOUT_POLICY_KEY", "SHARED_ROLLOUT_KEYS",
 #: size, sample and post-process every request with the first policy's values), so a policy cannot change them.
 SHARED_ROLLOUT_KEYS = ("n", "prompt_length", "response_length", "max_model_len", "calculate_log_probs", "agent",
                        "multi_turn", "mode", "name", "full_determinism")
-#: Rollout backends whose servers are named and weight-synced per policy (``rollout.custom.mas_policy``).
-POLICY_AWARE_ROLLOUTS = ("hf",)
+#: Rollout backends whose servers are named and weight-synced per policy (``rollout.custom.mas_policy``): verl_mas's
+#: ``hf`` backend and verl's ``vllm`` with verl_mas's subclasses (:mod:`verl_mas.backends.vllm`).
+POLICY_AWARE_ROLLOUTS = ("hf", "vllm")
 
 #: Key in ``actor_rollout_ref.rollout.custom`` naming the policy a rollout stack serves. Rollout backends
-#: use it to give each policy's servers distinct names (the ``hf`` backend does).
+#: use it to give each policy's servers distinct names (``hf`` and ``vllm`` do).
 ROLLOUT_POLICY_KEY = "mas_policy"
 
 
@@ -126,10 +127,9 @@ def shared_rollout_problems(configs: Mapping[str, Any], mas: MasConfig) -> list[
         if backends:
             out.append(
                 f"several trainable policies ({names}) with actor_rollout_ref.rollout.name={backends[0]!r}: verl "
-                "0.9.1's vLLM/SGLang hybrid servers derive their actor names and weight-sync sockets from the "
-                "replica rank inside one worker group, so a second policy's servers collide with the first's "
-                "(generation and weight sync reach the wrong model). Only the policy-aware backends "
-                f"{list(POLICY_AWARE_ROLLOUTS)} can serve several policies today; use one shared policy on "
-                f"{backends[0]}, or rollout.name=hf (docs/policies.md)."
+                f"0.9.1's {backends[0]} hybrid servers derive their actor names and weight channels from the replica "
+                "rank inside one worker group, so a second policy's servers would collide with the first's (generation "
+                "and weight sync reaching the wrong model). The policy-aware backends are "
+                f"{list(POLICY_AWARE_ROLLOUTS)}; use one of them, or one shared policy on {backends[0]} (docs/policies.md)."
             )
     return out
