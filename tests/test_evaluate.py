@@ -89,9 +89,20 @@ def test_cli_role_swap_with_two_tiny_models(tmp_path: Path, capsys) -> None:
     assert report["episodes"] == 4.0 and printed[:6] == ["role", "caller", str(b), "role", "runner", str(a)]
     with pytest.raises(SystemExit, match="use ROLE=MODEL_DIR.*given twice"):
         main(["--data", "x.parquet", "--role", "caller", "--role", f"r={a}", "--role", f"r={b}"])
+    # Models of different vocabularies in one team: each role renders and decodes with its own tokenizer.
     other = write_tiny(tmp_path / "other", hidden_size=32, num_hidden_layers=1)  # generic BPE vocabulary
-    with pytest.raises(SystemExit, match="different vocabulary"):
-        main(["--data", "x.parquet", "--model", str(a), "--role", f"runner={other}"])
+    main(["--data", str(tmp_path / "data" / "test.parquet"), "--model", str(a), "--role", f"runner={other}",
+          "--max-tokens", "3", "--json", str(out)])
+    assert json.loads(out.read_text())["episodes"] == 4.0
+    # A model directory whose tokenizer is not its model's (more tokens than embedding rows) is refused.
+    import shutil
+
+    mismatched = tmp_path / "mismatched"
+    shutil.copytree(a, mismatched)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(other / name, mismatched / name)
+    with pytest.raises(SystemExit, match=r"'.*mismatched': its tokenizer has \d+ tokens but its model only \d+ embedding"):
+        main(["--data", "x.parquet", "--model", str(a), "--role", f"runner={mismatched}"])
     # The router training uses checks the data's workflows before any episode: relay-v0's runner has no model.
     with pytest.raises(SystemExit, match=r"relay-v0' has roles \['runner'\] that no policy serves.*--role <role>=MODEL"):
         main(["--data", str(tmp_path / "data" / "test.parquet"), "--role", f"caller={b}", "--max-tokens", "3"])

@@ -7,8 +7,10 @@ The CPU quickstart recipe (relay-v0: roles caller and runner) with ``mas_policie
   every runner group has zero variance and zero advantage: the runner's policy must not move at all
   (its weight decay is set to 0, so even AdamW's decoupled decay cannot move it), while the caller's
   (local reward: naming the right word) must;
-- the two models differ in size, so a request served by the wrong model, or weights synced into the
-  wrong server, shows up as a large rollout-vs-actor log-prob gap for that policy.
+- the two models differ in size (and in vocabulary: two model families in one team), so a request served
+  by the wrong model, or weights synced into the wrong server, shows up as a large rollout-vs-actor
+  log-prob gap for that policy. (That each role renders with its own tokenizer is checked on the agent
+  loop's rows in tests/test_policies.py.)
 """
 
 from __future__ import annotations
@@ -54,13 +56,12 @@ def _val_outputs(path: Path) -> list[tuple[str, str]]:
 @pytest.mark.slow
 def test_per_role_models_of_different_sizes_train_route_sync_save_and_resume(tmp_path: Path) -> None:
     from verl_mas.tiny import write_tiny
-    from verl_mas.workflows.relay import RelayWorkflow
 
     run_dir = tmp_path / "run"
-    # The caller gets the recipe's tiny model (hidden 64, 2 layers); the runner a larger one (hidden 128,
-    # 3 layers) with the same tailored vocabulary.
-    runner_model = write_tiny(tmp_path / "runner_model", vocab=list(RelayWorkflow.vocabulary), hidden_size=128,
-                              num_hidden_layers=3, seed=7)
+    # The caller gets the recipe's tiny model (hidden 64, 2 layers, the relay's word-level vocabulary of 100
+    # tokens); the runner a larger one of another family (hidden 128, 3 layers, byte-level BPE, 512 tokens):
+    # each policy renders, samples and trains on its own tokenizer's ids.
+    runner_model = write_tiny(tmp_path / "runner_model", hidden_size=128, num_hidden_layers=3, seed=7)
     policies = ["mas_policies=per_role_models", f"mas.policies.runner.model.path={runner_model}",
                 "+mas.policies.runner.actor={optim: {weight_decay: 0.0}}"]
     metrics = _run(run_dir, *policies, "trainer.total_training_steps=2", "trainer.save_freq=2", SAVE_HF,

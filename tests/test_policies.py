@@ -209,6 +209,87 @@ async def test_each_role_reaches_its_policys_model(tmp_path: Path) -> None:
     assert np.isfinite(got.numpy()).all()
 
 
+def _rows_not_in_their_policys_text(outputs, tokenizers) -> list[str]:
+    """Rows whose prompt, decoded with their policy's tokenizer, is not their role's prompt text
+    (relay-v0: "caller <word>", "runner <word>"), or whose ids are outside that tokenizer."""
+    wrong = []
+    for o in outputs:
+        tok, role = tokenizers[o.extra_fields["mas_policy"]], o.extra_fields["mas_role"]
+        ids = list(o.prompt_ids) + list(o.response_ids)
+        if max(ids) >= len(tok) or f"{role} " not in tok.decode(o.prompt_ids, skip_special_tokens=True):
+            wrong.append(f"{role} turn {o.extra_fields['mas_turn']}")
+    return wrong
+
+
+async def test_roles_served_by_models_with_different_vocabularies_render_and_decode_with_their_own(
+        tmp_path: Path) -> None:
+    """A team of two model families (the caller: a word-level vocabulary; the runner: byte-level BPE) in one
+    episode: each role's prompts are rendered with its own policy's tokenizer and its rows hold its own
+    model's token ids. Control: the same episode with every role on the caller's tokenizer (a role routed
+    to the wrong tokenizer) is flagged by the same check."""
+    from transformers import AutoTokenizer
+    from verl.experimental.agent_loop.agent_loop import DictConfigWrap
+
+    from verl_mas.agent_loop import MasAgentLoop
+    from verl_mas.backends.hf.engine import HFGenerationEngine
+    from verl_mas.tiny import write_tiny
+    from verl_mas.workflows.relay import RelayWorkflow
+
+    words = write_tiny(tmp_path / "words", vocab=list(RelayWorkflow.vocabulary), seed=1)
+    bpe = write_tiny(tmp_path / "bpe", hidden_size=32, num_hidden_layers=1, seed=2)
+    tokenizers = {"caller": AutoTokenizer.from_pretrained(words), "runner": AutoTokenizer.from_pretrained(bpe)}
+    assert len(tokenizers["caller"]) < len(tokenizers["runner"])
+    clients = {"caller": _RecordingClient(HFGenerationEngine.from_pretrained(str(words), seed=0)),
+               "runner": _RecordingClient(HFGenerationEngine.from_pretrained(str(bpe), seed=0))}
+    mas = {"branching": 2, "max_turns": 2, "policies": {"caller": {}, "runner": {"model": {"path": str(bpe)}}},
+           "roles": {"caller": {"policy": "caller"}, "runner": {"policy": "runner"}}}
+    config = OmegaConf.create({"actor_rollout_ref": {"model": {"path": str(words)},
+                                                     "rollout": {"response_length": 4, "prompt_length": 512}},
+                               "data": {"apply_chat_template_kwargs": {}}, "mas": mas,
+                               "trainer": {"v1": {"trainer_mode": "mas"}}})
+    loop = MasAgentLoop(trainer_config=DictConfigWrap(config), server_manager=PolicyRouterClient(clients),
+                        tokenizer=tokenizers["caller"], processor=None, dataset_cls=None,
+                        data_config=DictConfigWrap(config.data))
+    row = {"uid": "t", "session_id": 0, "index": 0,
+           "extra_info": {"workflow": "relay-v0", "task": json.dumps({"message": ["red", "blue"]}), "split": "train"}}
+    sampling = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "repetition_penalty": 1.0, "logprobs": True}
+    outputs = await loop.run(sampling, **row)
+    runner_rows = [o for o in outputs if o.extra_fields["mas_role"] == "runner"]
+    assert runner_rows and len(outputs) > len(runner_rows)
+    assert _rows_not_in_their_policys_text(outputs, tokenizers) == []
+    # The runner's rows are BPE ids: some lie beyond the word-level vocabulary (the caller's model could not
+    # embed them), and its server received exactly those prompts.
+    assert max(max(o.prompt_ids) for o in runner_rows) >= len(tokenizers["caller"])
+    assert sorted(map(tuple, clients["runner"].prompts)) == sorted(tuple(o.prompt_ids) for o in runner_rows)
+
+    loop.role_tokenizers = tokenizers["caller"]  # miswired: the runner's prompts rendered with the caller's tokenizer
+    miswired = await loop.run(sampling, **row)
+    assert _rows_not_in_their_policys_text(miswired, tokenizers) == [
+        f"runner turn {o.extra_fields['mas_turn']}" for o in miswired if o.extra_fields["mas_role"] == "runner"]
+
+
+def test_a_policy_whose_tokenizer_is_not_its_models_is_refused(tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    from verl_mas.routing import tokenizer_fit_problems
+    from verl_mas.tiny import write_tiny
+
+    tok = AutoTokenizer.from_pretrained(write_tiny(tmp_path / "bpe", hidden_size=32, num_hidden_layers=1))
+    n = len(tok)
+    assert tokenizer_fit_problems({"caller": tok, "runner": tok}, {"caller": n, "runner": n + 8}, padding=tok) == []
+    # The runner's tokenizer has more tokens than its model's embedding rows: it is another model's tokenizer.
+    assert tokenizer_fit_problems({"caller": tok, "runner": tok}, {"caller": n, "runner": 40}, padding=tok) == [
+        f"policy 'runner': its tokenizer has {n} tokens but its model only 40 embedding rows, so the tokenizer is not "
+        "the model's. Point the policy's model.tokenizer_path (or model.path) at the model's own tokenizer."]
+    # verl pads the whole batch with the first policy's pad id: here one the caller's model cannot embed.
+    problems = tokenizer_fit_problems({"caller": tok, "runner": tok}, {"caller": n, "runner": n + 8},
+                                      padding=SimpleNamespace(pad_token_id=n + 2))
+    assert len(problems) == 1 and problems[0].startswith(f"policy 'caller': verl pads every row of the batch with the "
+                                                         f"first policy's pad token id {n + 2}, which is outside")
+
+
 def _cpu_recipe(tmp_path: Path, *overrides: str):
     """verl's full config as main_ppo composes it for the CPU recipe (relay-v0 data in tmp_path)."""
     from hydra import compose, initialize_config_dir

@@ -33,7 +33,7 @@ from typing import Any
 from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopMetrics, AgentLoopOutput
 
 from verl_mas.client import GenerateRequest, Sample, fan_out
-from verl_mas.config import MasConfig, mas_trainer_selected
+from verl_mas.config import MasConfig, MasConfigError, mas_trainer_selected
 from verl_mas.engine import run_episode
 from verl_mas.episode import GROUP_KEY_SEP, Candidate, Episode
 from verl_mas.errors import InfraError
@@ -134,6 +134,13 @@ class MasAgentLoop(AgentLoopBase):
             )
         self.mas_config = MasConfig.from_verl_config(self.config)
         self.router = RoleRouter.from_mas(self.mas_config)
+        self.policy_configs: dict[str, Any] = {}
+        if self.mas_config.multi_policy:
+            from verl_mas.policies import policy_configs
+
+            self.policy_configs = policy_configs(self.config.actor_rollout_ref, self.mas_config)
+        # Each role renders its prompts and decodes its answers with its own policy's tokenizer.
+        self.role_tokenizers = self.router.tokenizers(self._policy_tokenizers())
         if self.mas_config.sandbox:
             # Workflows run model-written code through verl_mas.sandbox.run_python(): configure it from mas.sandbox.
             from verl_mas import sandbox
@@ -145,14 +152,42 @@ class MasAgentLoop(AgentLoopBase):
             int(self.rollout_config.prompt_length) + self.response_length)
         self.max_prompt_tokens = int(max_model_len) - 1
 
+    def _policy_tokenizers(self) -> dict[str, Any]:
+        """``{policy: tokenizer}``: verl's (the first policy's) for every policy whose tokenizer is the same
+        file, the policy's own otherwise (loaded the way verl loads the first; checked to fit its model)."""
+        if not self.policy_configs:
+            return {name: self.tokenizer for name in self.router.policies}
+
+        def source(arr: Any) -> str | None:
+            model = arr.get("model", None) or {}
+            return model.get("tokenizer_path", None) or model.get("path", None)
+
+        names = list(self.policy_configs)
+        first = source(self.policy_configs[names[0]])
+        if all(source(arr) == first for arr in self.policy_configs.values()):
+            return {name: self.tokenizer for name in names}
+        from verl.utils.config import omega_conf_to_dataclass
+        from verl.workers.config import HFModelConfig
+
+        from verl_mas.routing import tokenizer_fit_problems
+
+        loaded: dict[str, Any] = {first: self.tokenizer}
+        out, sizes = {}, {}
+        for name, arr in self.policy_configs.items():
+            # verl's HFModelConfig: the policy's tokenizer and model config, loaded as verl loads the first's.
+            model = omega_conf_to_dataclass(arr.model, dataclass_type=HFModelConfig)
+            loaded.setdefault(source(arr), model.tokenizer)
+            out[name] = loaded[source(arr)]
+            sizes[name] = int(model.hf_config.vocab_size)
+        problems = tokenizer_fit_problems(out, sizes, padding=self.tokenizer)
+        if problems:
+            raise MasConfigError("The policies' tokenizers do not fit their models:\n  - " + "\n  - ".join(problems))
+        return out
+
     def _policy_sampling(self, validate: bool) -> dict[str, dict[str, Any]]:
         """Each policy's own sampling settings (its rollout's temperature/top_p/top_k, or val_kwargs')."""
-        if not self.mas_config.multi_policy:
-            return {}
-        from verl_mas.policies import policy_configs
-
         out = {}
-        for name, arr in policy_configs(self.config.actor_rollout_ref, self.mas_config).items():
+        for name, arr in self.policy_configs.items():
             source = arr.rollout.val_kwargs if validate else arr.rollout
             out[name] = {k: source[k] for k in ("temperature", "top_p", "top_k") if k in source}
         return out
@@ -180,7 +215,7 @@ class MasAgentLoop(AgentLoopBase):
             workflow_id,
             task,
             client=client,
-            tokenizer=self.tokenizer,
+            tokenizer=self.role_tokenizers,
             config=self.mas_config.episode_config_for(
                 validate=validate,
                 chat_template_kwargs=self.apply_chat_template_kwargs,

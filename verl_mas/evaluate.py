@@ -72,23 +72,19 @@ def parse_role_models(specs: Sequence[str]) -> dict[str, str]:
     return out
 
 
-def shared_tokenizer(paths: Sequence[str]) -> Any:
-    """The tokenizer of the first model; every other model must have the same vocabulary.
+def model_tokenizers(paths: Sequence[str]) -> dict[str, Any]:
+    """``{model directory: its tokenizer}``, each checked to fit its model (models may differ in vocabulary:
+    each role renders and decodes with its own model's tokenizer)."""
+    from transformers import AutoConfig, AutoTokenizer
 
-    Prompts are rendered once per request with one tokenizer, so models with different vocabularies
-    cannot share an episode.
-    """
-    from transformers import AutoTokenizer
+    from verl_mas.routing import tokenizer_fit_problems
 
-    tokenizers = {path: AutoTokenizer.from_pretrained(path) for path in dict.fromkeys(paths)}
-    first_path, first = next(iter(tokenizers.items()))
-    different = [p for p, t in tokenizers.items() if t.get_vocab() != first.get_vocab()]
-    if different:
-        raise SystemExit(
-            f"python -m verl_mas.evaluate: models {different} have a different vocabulary from {first_path}; the roles "
-            "of one episode must share a tokenizer (prompts are rendered once as token ids)."
-        )
-    return first
+    paths = list(dict.fromkeys(paths))
+    tokenizers = {path: AutoTokenizer.from_pretrained(path) for path in paths}
+    problems = tokenizer_fit_problems(tokenizers, {p: AutoConfig.from_pretrained(p).vocab_size for p in paths})
+    if problems:
+        raise SystemExit("python -m verl_mas.evaluate: " + " ".join(problems))
+    return tokenizers
 
 
 async def evaluate(
@@ -99,7 +95,8 @@ async def evaluate(
     Args:
         rows: Dataset rows as written by ``python -m verl_mas.data`` (``data_source``, ``extra_info``).
         client: Serves every role (one model for all roles; a :class:`verl_mas.routing.RoleRoutedClient` for several).
-        tokenizer: Renders prompts with its chat template.
+        tokenizer: Renders prompts with its chat template and decodes answers (a ``{role: tokenizer}`` mapping,
+            e.g. :meth:`verl_mas.routing.RoleRouter.tokenizers`, when the roles' models differ in vocabulary).
         config: Branching, turns, alpha (use ``branching=1`` for single-sample accuracy).
 
     Returns:
@@ -171,7 +168,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.model is None and not role_models:
         parser.error("give --model (every role) and/or --role ROLE=MODEL")
     paths = ([args.model] if args.model else []) + list(role_models.values())
-    tokenizer = shared_tokenizer(paths)
+    tokenizers = model_tokenizers(paths)
     rows = [row for path in args.data for row in _read_rows(path)][: args.limit]
     # The router training uses: here each model directory is a policy, --model the default one.
     router = RoleRouter(role_models, list(dict.fromkeys(paths)), default=args.model,
@@ -184,6 +181,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         for path in dict.fromkeys(paths)
     }
     client = RoleRoutedClient.from_router(router, engines)
+    tokenizer = router.tokenizers({path: tokenizers[path] for path in router.policies})
     config = EpisodeConfig(branching=args.branching, max_turns=args.max_turns, alpha=args.alpha,
                            chat_template_kwargs=dict(args.chat_template_kwargs))
     report = asyncio.run(evaluate(rows, client=client, tokenizer=tokenizer, config=config, seed=args.seed))

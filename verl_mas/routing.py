@@ -8,6 +8,9 @@ One router serves training and evaluation:
   role of the data's workflows that no policy would serve.
 - :class:`RoleRoutedClient` is the :class:`verl_mas.LLMClient` that sends each role's requests to its
   policy's client (the ``mas`` agent loop's verl-server clients, or evaluation's local models).
+- :meth:`RoleRouter.tokenizers` gives each role its policy's tokenizer, so that a team of models with
+  different vocabularies renders each role's prompts and decodes its answers with that role's own model's
+  tokenizer (:class:`RoleTokenizers`; :func:`tokenizer_fit_problems` checks the fit before a run).
 - At verl's level, the agent-loop workers hold one verl client; with several policies the ``mas`` trainer
   hands them a :class:`PolicyRouterClient` (``generate(..., policy=name)`` reaches that policy's servers),
   and every policy's client is a :class:`SessionRoutedClient`: each candidate has a request id of its own
@@ -30,10 +33,12 @@ __all__ = [
     "PolicyRouterClient",
     "RoleRoutedClient",
     "RoleRouter",
+    "RoleTokenizers",
     "SessionRoutedClient",
     "candidate_request_id",
     "roles_of_workflows",
     "routing_key",
+    "tokenizer_fit_problems",
     "workflows_in_data",
 ]
 
@@ -104,6 +109,67 @@ class RoleRouter:
                     f"({self.policies}) every role needs {self.route.format(role='<role>')}."
                 )
         return out
+
+    def tokenizers(self, by_policy: Mapping[str, Any]) -> Any:
+        """What :func:`verl_mas.run_episode` takes as ``tokenizer``: the one tokenizer when every policy uses
+        the same object, else a :class:`RoleTokenizers` mapping each role to its policy's tokenizer."""
+        missing = [p for p in self.policies if p not in by_policy]
+        if missing:
+            raise ValueError(f"RoleRouter.tokenizers: no tokenizer for policies {missing} (have {list(by_policy)}).")
+        distinct = {id(by_policy[p]) for p in self.policies}
+        return by_policy[self.policies[0]] if len(distinct) == 1 else RoleTokenizers(self, by_policy)
+
+
+class RoleTokenizers(Mapping):
+    """``{role: tokenizer}`` as the episode engine reads it: the tokenizer of the policy serving the role.
+
+    A role without a route (and no default policy) is missing, so the engine names it before the episode.
+    """
+
+    def __init__(self, router: RoleRouter, by_policy: Mapping[str, Any]) -> None:
+        self.router = router
+        self.by_policy = dict(by_policy)
+
+    def __getitem__(self, role: str) -> Any:
+        try:
+            return self.by_policy[self.router.policy_of(role)]
+        except MasConfigError as exc:
+            raise KeyError(role) from exc
+
+    def __iter__(self) -> Any:
+        return iter(self.router.routes)
+
+    def __len__(self) -> int:
+        return len(self.router.routes)
+
+
+def tokenizer_fit_problems(by_policy: Mapping[str, Any], vocab_sizes: Mapping[str, int], padding: Any = None) -> list[str]:
+    """Problems of a team whose policies' tokenizers differ, before any prompt is rendered.
+
+    Args:
+        by_policy: ``{policy: tokenizer}``.
+        vocab_sizes: ``{policy: the embedding rows of its model}`` (``config.vocab_size``).
+        padding: The tokenizer verl pads every row of the batch with in training (the first policy's): its pad
+            id lands in the masked positions of every policy's rows, so it must be a valid id for every model.
+            None: no batch (evaluation).
+    """
+    out = []
+    pad_id = None if padding is None else (padding.pad_token_id if padding.pad_token_id is not None else 0)
+    for policy, tokenizer in by_policy.items():
+        size = int(vocab_sizes[policy])
+        if len(tokenizer) > size:
+            out.append(
+                f"policy {policy!r}: its tokenizer has {len(tokenizer)} tokens but its model only {size} embedding rows, "
+                "so the tokenizer is not the model's. Point the policy's model.tokenizer_path (or model.path) at the "
+                "model's own tokenizer."
+            )
+        if pad_id is not None and pad_id >= size:
+            out.append(
+                f"policy {policy!r}: verl pads every row of the batch with the first policy's pad token id {pad_id}, "
+                f"which is outside this model's {size} embedding rows. List first a policy whose pad id every model "
+                "can embed (e.g. the one with the smallest vocabulary)."
+            )
+    return out
 
 
 #: The policy name of :class:`RoleRoutedClient`'s ``default`` client.
