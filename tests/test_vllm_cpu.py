@@ -268,3 +268,63 @@ def test_hf_and_vllm_decode_the_same_greedy_tokens_from_the_same_weights(tmp_pat
     print(f"[vllm-parity] 5 prompts x 24 greedy tokens identical on hf and vLLM; max log-prob gap {gap:.1e}")
     assert gap < 1e-4
     assert out["hf_other_weights"] != out["vllm"]
+
+
+#: The GPU recipes (vLLM rollout, a node of GPUs) and the keys each may set to a size or name of its own.
+GPU_RECIPES = ("code", "math", "plan_path", "sokoban", "sudoku")
+PER_RECIPE_KEYS = {"data.max_prompt_length", "trainer.experiment_name"}
+#: What runs a GPU recipe on this machine: the CPU vLLM settings and verl_mas/conf/on_cpu/tiny.yaml.
+ON_CPU = ("hydra.searchpath=[pkg://verl.trainer.config,pkg://verl_mas.conf]", "+cpu_rollout=vllm", "+on_cpu=tiny")
+
+
+def _recipe_settings(name: str) -> dict:
+    """A GPU recipe's composed settings (unresolved), flattened, without its own sizes and names."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    with initialize_config_dir(config_dir=str(REPO / "recipes" / name), version_base=None):
+        cfg = OmegaConf.to_container(compose(config_name=name, overrides=["actor_rollout_ref.model.path=/m"]))
+
+    def flat(node: dict, prefix: str = "") -> dict:
+        out = {}
+        for key, value in node.items():
+            out.update(flat(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}": value})
+        return out
+
+    return {k: v for k, v in flat(cfg).items() if k not in PER_RECIPE_KEYS}
+
+
+def test_every_gpu_recipes_settings_run_on_cpu_with_vllm(tmp_path: Path, recipe_runs) -> None:
+    """Every rollout, actor and policy setting of the GPU recipes runs here, on verl's vLLM rollout.
+
+    Recipes whose settings agree (everything but PER_RECIPE_KEYS) share one run; a recipe that diverges gets
+    a run of its own. Each run swaps only the model (a tiny one) and the device-bound sizes
+    (verl_mas/conf/on_cpu/tiny.yaml), validates before and after one training step, and must sample from
+    the synced weights.
+    """
+    import json
+
+    groups: dict[str, list[str]] = {}
+    for name in GPU_RECIPES:
+        groups.setdefault(json.dumps(_recipe_settings(name), sort_keys=True, default=str), []).append(name)
+    print(f"\n[vllm-recipes] {len(GPU_RECIPES)} GPU recipes, {len(groups)} distinct settings: "
+          + "; ".join(", ".join(g) for g in groups.values()))
+    model = _tiny(tmp_path / "model", "--hidden-size", "128")
+    for recipes in groups.values():
+        name = recipes[0]
+        run_dir = tmp_path / name
+        run_dir.mkdir()
+        script = REPO / "recipes" / name / "run.sh"
+        model_arg = () if "MODEL_PATH" in script.read_text() else (f"actor_rollout_ref.model.path={model}",)
+        proc, metrics = recipe_runs.run(script, run_dir, *model_arg, *ON_CPU, python=_vllm_python(), steps=1,
+                                        MODEL_PATH=str(model), TRAIN_TASKS="4", TEST_TASKS="2", VERL_PLATFORM="cpu",
+                                        VERL_FILE_LOGGER_PATH=str(run_dir / "metrics.jsonl"))
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+        train = [m for m in metrics if "mas/episodes" in m["data"]]
+        val = [m for m in metrics if any(k.startswith("val-core/") for k in m["data"])]
+        assert [m["step"] for m in train] == [1] and recipe_runs.sync_problems(train) == []
+        assert len(val) == 2, [sorted(m["data"]) for m in metrics]  # before training and after the last step
+        d = train[0]["data"]
+        assert d["mas/infra_failures"] == 0.0 and d["mas/group/size_mean"] == 4.0
+        print(f"[vllm-recipes] {name} (settings of {', '.join(recipes)}): step 1 gap="
+              f"{d['training/rollout_probs_diff_mean']:.1e} episodes={d['mas/episodes']:.0f} step_s={d['timing_s/step']:.1f}")

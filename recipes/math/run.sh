@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# AT-GRPO on math-v0 through verl's main_ppo (see math.yaml). GPU node required; not run in CI.
+# AT-GRPO on math-v0 through verl's main_ppo (see math.yaml). GPU node for training; its settings run in CI on CPU with a tiny model (README).
 # Usage: [WORKFLOW=math-v0] [TRAIN_SOURCE=FILE TRAIN_FORMAT=FMT [TRAIN_START=i TRAIN_STOP=j]]
 #        [TEST_SOURCE=FILE TEST_FORMAT=FMT [TEST_START=i TEST_STOP=j]]
 #        bash recipes/math/run.sh actor_rollout_ref.model.path=/models/Qwen3-1.7B [hydra overrides...]

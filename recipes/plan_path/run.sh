@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# AT-GRPO on plan-path-v0 through verl's main_ppo (see plan_path.yaml). GPU node required; not run in CI.
+# AT-GRPO on plan-path-v0 through verl's main_ppo (see plan_path.yaml). GPU node for training; its settings run in CI on CPU with a tiny model (README).
 # Usage: MODEL_PATH=/models/Qwen3-1.7B [WORKFLOW=plan-path-v0] bash recipes/plan_path/run.sh [hydra overrides...]
 # Outputs go to $VERL_MAS_RUN_DIR (default: ./runs/plan_path): data and hydra logs.
 set -euo pipefail

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# AT-GRPO on sudoku-v0 through verl's main_ppo (see sudoku.yaml). GPU node required; not run in CI.
+# AT-GRPO on sudoku-v0 through verl's main_ppo (see sudoku.yaml). GPU node for training; its settings run in CI on CPU with a tiny model (README).
 # Usage: MODEL_PATH=/models/Qwen3-1.7B [WORKFLOW=sudoku-v0] bash recipes/sudoku/run.sh [hydra overrides...]
 # Outputs go to $VERL_MAS_RUN_DIR (default: ./runs/sudoku): data and hydra logs.
 set -euo pipefail
