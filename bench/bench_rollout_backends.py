@@ -51,13 +51,15 @@ def run(backend: str, python: str, steps: int, work: Path, overrides: list[str])
 
 def summary(steps: list[dict], wall: float) -> dict[str, float]:
     later = steps[1:] or steps
-    tokens = [m["response_length/mean"] * m["mas/num_candidates"] for m in later]
+    # mas/num_candidates is per episode; response_length/mean is per row of the batch.
+    samples = [m["mas/num_candidates"] * m["mas/episodes"] for m in later]
+    tokens = [m["response_length/mean"] * n for m, n in zip(later, samples)]
     return {
         "startup_s": wall - sum(m["timing_s/step"] for m in steps),
         "step_s": statistics.mean(m["timing_s/step"] for m in later),
         "gen_s": statistics.mean(m["timing_s/gen"] for m in later),
         "tokens_per_s": sum(tokens) / sum(m["timing_s/gen"] for m in later),
-        "requests_per_step": statistics.mean(m["mas/num_candidates"] for m in later),
+        "requests_per_step": statistics.mean(samples),
         "sync_s": statistics.mean(m["timing_s/update_weights"] for m in later),
         "gap": max(m["training/rollout_probs_diff_mean"] for m in steps),
     }

@@ -147,26 +147,26 @@ def _weights(path: Path) -> dict:
     return load_file(str(path / "model.safetensors"))
 
 
-def test_two_models_of_different_sizes_as_two_roles_on_vllm_route_sync_and_train_apart(tmp_path: Path,
-                                                                                       recipe_runs) -> None:
-    """Per-role models on verl's vLLM rollout: each policy's servers, names and weight sockets are its own.
+TASKS, K = 8, 4
 
-    Controls as in the ``hf`` test (tests/test_main_ppo_policies.py): the two models differ in size, so a
-    request served by, or a sync landing in, the other policy's server shows up as a large log-prob gap;
-    ``mas.alpha=0`` holds the runner at zero advantage, so its model must not move at all.
+
+def _two_policy_run(recipe_runs, tmp_path: Path, tag: str, *overrides: str, syncs_at_step_1: float,
+                    gap: float) -> tuple[Path, list[dict]]:
+    """The CPU quickstart with two policies (caller, runner) on vLLM for 2 steps, the runner held at zero
+    advantage (``mas.alpha=0``, no weight decay); checks every step's per-policy figures and returns the run
+    directory and the steps' metrics.
+
+    Per step and policy: the rollout-vs-actor gap below ``gap`` (a request served by, or a sync landing in,
+    the other policy's server shows up here), exactly K requests per turn its role acted in on its own
+    servers, its own weight syncs only (``syncs_at_step_1`` at step 1, which includes the initial sync, then
+    one per step), and a zero runner gradient.
     """
-    import torch
-
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    tasks, k = 8, 4
     _tiny(run_dir / "model", "--hidden-size", "128", "--vocab-from", "relay-v0")
-    runner_model = _tiny(tmp_path / "runner_model", "--hidden-size", "256", "--layers", "3", "--seed", "7",
-                         "--vocab-from", "relay-v0")
     proc, metrics = recipe_runs.run(
-        REPO / "recipes" / "at_grpo_cpu" / "run.sh", run_dir, *VLLM, f"data.train_batch_size={tasks}", "mas.alpha=0",
-        "mas_policies=per_role_models", f"mas.policies.runner.model.path={runner_model}",
-        "+mas.policies.runner.actor={optim: {weight_decay: 0.0}}", "trainer.save_freq=2",
+        REPO / "recipes" / "at_grpo_cpu" / "run.sh", run_dir, *VLLM, f"data.train_batch_size={TASKS}", "mas.alpha=0",
+        *overrides, "+mas.policies.runner.actor.optim.weight_decay=0.0", "trainer.save_freq=2",
         "actor_rollout_ref.actor.checkpoint.save_contents=[model,optimizer,extra,hf_model]",
         python=_vllm_python(), steps=2)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
@@ -174,19 +174,35 @@ def test_two_models_of_different_sizes_as_two_roles_on_vllm_route_sync_and_train
     assert [m["step"] for m in steps] == [1, 2]
     for m in steps:
         d = m["data"]
-        print(f"\n[vllm-policies] step {m['step']}: " + " ".join(
+        print(f"\n[{tag}] step {m['step']}: " + " ".join(
             f"{p}: gap={d[f'policy/{p}/training/rollout_probs_diff_mean']:.1e} "
             f"grad_norm={d[f'policy/{p}/actor/grad_norm']:.3g} requests={d[f'policy/{p}/rollout/requests']:.0f} "
             f"syncs={d[f'policy/{p}/rollout/weight_updates']:.0f}" for p in ("caller", "runner")), end="")
         for policy in ("caller", "runner"):
-            assert d[f"policy/{policy}/training/rollout_probs_diff_mean"] < 1e-6, policy
-            # Every sync a policy's server loaded is its own: the initial one, then one per step.
-            assert d[f"policy/{policy}/rollout/weight_updates"] == (2.0 if m["step"] == 1 else 1.0), policy
-            # K requests per turn the role acted in, on its own policy's server only.
-            assert d[f"policy/{policy}/rollout/requests"] == round(k * tasks * d[f"mas/{policy}/turns"]), policy
+            assert d[f"policy/{policy}/training/rollout_probs_diff_mean"] < gap, policy
+            assert d[f"policy/{policy}/rollout/weight_updates"] == (syncs_at_step_1 if m["step"] == 1 else 1.0), policy
+            assert d[f"policy/{policy}/rollout/requests"] == round(K * TASKS * d[f"mas/{policy}/turns"]), policy
         assert d["mas/runner/reward/mean"] == 0.0 and d["policy/runner/actor/grad_norm"] == 0.0
     print()
     assert max(m["data"]["policy/caller/actor/grad_norm"] for m in steps) > 0
+    return run_dir, steps
+
+
+def test_two_models_of_different_sizes_as_two_roles_on_vllm_route_sync_and_train_apart(tmp_path: Path,
+                                                                                       recipe_runs) -> None:
+    """Per-role models on verl's vLLM rollout: each policy's servers, names and weight sockets are its own.
+
+    Controls as in the ``hf`` test (tests/test_main_ppo_policies.py): the two models differ in size (and
+    family), so a request served by, or a sync landing in, the other policy's server shows up as a large
+    log-prob gap; ``mas.alpha=0`` holds the runner at zero advantage, so its model must not move at all.
+    """
+    import torch
+
+    # Another size and another family: the runner's model has a byte-level BPE vocabulary (512 tokens), the
+    # caller's the relay's word-level one (100 tokens).
+    runner_model = _tiny(tmp_path / "runner_model", "--hidden-size", "256", "--layers", "3", "--seed", "7")
+    run_dir, _ = _two_policy_run(recipe_runs, tmp_path, "vllm-policies", "mas_policies=per_role_models",
+                                 f"mas.policies.runner.model.path={runner_model}", syncs_at_step_1=2.0, gap=1e-6)
     ckpt = run_dir / "checkpoints" / "global_step_2"
     caller_before, caller_after = _weights(run_dir / "model"), _weights(ckpt / "actor" / "huggingface")
     runner_before, runner_after = _weights(runner_model), _weights(ckpt / "actor_runner" / "huggingface")
@@ -328,3 +344,22 @@ def test_every_gpu_recipes_settings_run_on_cpu_with_vllm(tmp_path: Path, recipe_
         assert d["mas/infra_failures"] == 0.0 and d["mas/group/size_mean"] == 4.0
         print(f"[vllm-recipes] {name} (settings of {', '.join(recipes)}): step 1 gap="
               f"{d['training/rollout_probs_diff_mean']:.1e} episodes={d['mas/episodes']:.0f} step_s={d['timing_s/step']:.1f}")
+
+
+def test_one_lora_adapter_per_role_on_vllm_serves_and_trains_each_roles_own_adapter(tmp_path: Path,
+                                                                                   recipe_runs) -> None:
+    """Per-role LoRA (one verl stack per adapter, each with its own vLLM server) on verl's vLLM rollout, the
+    adapters served unmerged by vLLM's LoRA support as on GPUs. ``mas.alpha=0`` holds the runner at zero
+    advantage: its adapter's B stays zero, while the caller's moves; each policy samples from its own adapter."""
+    import torch
+
+    unmerged = [f"mas.policies.{p}.model.lora.merge=false" for p in ("caller", "runner")]
+    # Step 1's syncs: the initial sync loads the base weights and then the adapter, then step 1's adapter.
+    run_dir, _ = _two_policy_run(recipe_runs, tmp_path, "vllm-lora", "mas_policies=per_role_lora", *unmerged,
+                                 syncs_at_step_1=3.0, gap=1e-6)
+    ckpt = run_dir / "checkpoints" / "global_step_2"
+    adapters = {p: {k: v for k, v in _weights(ckpt / p / "huggingface").items() if "lora_B" in k}
+                for p in ("actor", "actor_runner")}
+    assert adapters["actor"] and adapters["actor_runner"].keys() == adapters["actor"].keys()
+    assert all(torch.count_nonzero(v) == 0 for v in adapters["actor_runner"].values())
+    assert sum(int(torch.count_nonzero(v)) for v in adapters["actor"].values()) > 0
