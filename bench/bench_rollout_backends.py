@@ -13,7 +13,11 @@ engine process, Python) rather than by matrix multiplies. It says nothing about 
 attention, continuous batching and CUDA graphs are what make it the serving engine of choice, and the
 ``hf`` backend is not meant to run at all.
 
-Usage (about 4-6 minutes on 2 cores):
+Measured 2026-12-01 (2 shared cores, 5 steps, 508 samples of ~3 tokens a step): generation 431 tok/s on hf
+vs 342 on vLLM (x0.79), step 10.7 s vs 12.2 s (x1.15), start-up 92 s vs 127 s, weight sync 27 vs 43 ms,
+rollout-vs-actor gap ~3e-9 on both.
+
+Usage (about 7 minutes on 2 cores):
     python bench/bench_rollout_backends.py --steps 5 [--vllm-python .venv-vllm/bin/python] [hydra overrides...]
 """
 
