@@ -211,6 +211,69 @@ def test_two_models_of_different_sizes_as_two_roles_on_vllm_route_sync_and_train
     assert all(torch.equal(runner_before[k], runner_after[k]) for k in runner_before)
 
 
+SENDER_SCRIPT = """
+import asyncio, json, os, uuid
+import ray, torch
+from verl.workers.rollout.vllm_rollout.bucketed_weight_transfer import BucketedWeightReceiver
+from verl_mas.backends.vllm.adapter import WatchedWeightSender, WeightSyncError
+
+ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+WEIGHTS = [(f"w{i}", torch.full((256, 256), float(i))) for i in range(8)]  # 256 KiB each, 1 MiB buckets
+
+@ray.remote
+def receive(handle, mode):
+    # verl's own receiver, as the vLLM workers run it; "load" fails loading the first bucket, "gone" never connects.
+    if mode == "gone":
+        raise RuntimeError("the engine process is gone")
+    got = {}
+    def on_bucket(weights, is_last):
+        if mode == "load":
+            raise AssertionError("Attempted to load weight (torch.Size([256, 256])) into parameter (torch.Size([0]))")
+        got.update((name, float(t.sum())) for name, t in weights)
+    BucketedWeightReceiver(handle, torch.device("cpu"), use_shm=True).receive_weights(on_bucket)
+    return got
+
+def send(mode, timeout_s=120.0):
+    handle = f"ipc:///tmp/verl-mas-test-{uuid.uuid4().hex}.sock"
+    ref = None if mode == "nobody" else receive.remote(handle, mode)
+    sender = WatchedWeightSender(receiver=ref, describe=f"test {mode}", timeout_s=timeout_s, zmq_handle=handle,
+                                 bucket_size_mb=1, use_shm=True)
+    try:
+        asyncio.run(sender.async_send_weights(iter(WEIGHTS)))
+        return {"received": ray.get(ref)}
+    except WeightSyncError as exc:
+        return {"error": str(exc)}
+
+out = {mode: send(mode) for mode in ("ok", "load", "gone")}
+out["nobody"] = send("nobody", timeout_s=2.0)
+print("SENDER " + json.dumps(out))
+"""
+
+
+def test_the_weight_sender_fails_with_the_receivers_error_and_never_waits_forever(tmp_path: Path) -> None:
+    """verl_mas's weight sender against verl's own receiver (no vLLM engine): a receiver that loads every
+    bucket gets every tensor; one that fails loading, or dies before connecting, fails the send with its
+    error; with no receiver at all the send fails after its timeout. (verl's sender waits forever in the
+    last three cases.)"""
+    import json
+
+    script = tmp_path / "sender.py"
+    script.write_text(SENDER_SCRIPT)
+    proc = subprocess.run([_vllm_python(), str(script)], capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                          env={**os.environ, "VERL_PLATFORM": "cpu", "RAY_USAGE_STATS_ENABLED": "0"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    out = json.loads(proc.stdout.split("SENDER ", 1)[1].splitlines()[0])
+    assert out["ok"] == {"received": {f"w{i}": float(i * 256 * 256) for i in range(8)}}  # control: all 8 tensors
+    assert "Weight sync (test load) failed in the vLLM workers: AssertionError: Attempted to load weight" in out["load"]["error"]
+    # verl's receiver replaces that error by a clean-up error of its own; both are named, and the fix for the cause.
+    assert "(then: BufferError: cannot close exported pointers exist)" in out["load"]["error"]
+    assert "install verl_mas into the vLLM environment (make vllm-env)" in out["load"]["error"]
+    assert "Weight sync (test gone) failed in the vLLM workers: RuntimeError: the engine process is gone" in \
+        out["gone"]["error"]
+    assert out["nobody"]["error"].startswith("Weight sync (test nobody): the vLLM workers neither took nor "
+                                             "acknowledged the weights for 2 s.")
+
+
 def test_a_weight_sync_the_vllm_side_fails_stops_the_run_with_the_cause(tmp_path: Path, recipe_runs) -> None:
     """Without verl_mas's vLLM plugin, vLLM's CPU linear layers drop their weights and the first sync fails.
 

@@ -11,7 +11,7 @@ and streams the actor's weights through it after each step. Two things differ fr
   workers acknowledge a bucket only after loading it, so a load that raises (a shape mismatch, a dropped
   parameter) left the trainer waiting forever. Here the rank holding the server handle polls and fails as
   soon as the server's load call fails, with the cause; every rank fails after
-  :data:`~verl_mas.backends.vllm.WEIGHT_SYNC_TIMEOUT_ENV` seconds without an acknowledgement.
+  :data:`~verl_mas.backends.vllm.WEIGHT_SYNC_TIMEOUT_ENV` seconds without a receiver or an acknowledgement.
 
 The delta-weight path (``wire_format="delta_flush"``, CUDA IPC only) is verl's, unchanged.
 """
@@ -19,6 +19,7 @@ The delta-weight path (``wire_format="delta_flush"``, CUDA IPC only) is verl's, 
 from __future__ import annotations
 
 import os
+import re
 import sys
 import time
 from collections.abc import Callable
@@ -37,6 +38,8 @@ __all__ = ["PolicyServerAdapter", "WatchedWeightSender", "WeightSyncError"]
 
 #: How often (ms) a waiting sender checks the vLLM side for a failure.
 _POLL_MS = 200
+#: How long (ms) an acknowledgement may trail the receiving call's return.
+_ACK_GRACE_MS = 2000
 _DEFAULT_TIMEOUT_S = 900.0
 
 
@@ -45,17 +48,28 @@ class WeightSyncError(RuntimeError):
 
 
 class _WatchedSocket:
-    """The sender's ZMQ socket, whose ``recv`` polls and checks ``check`` between polls."""
+    """The sender's ZMQ socket, whose ``send_pyobj`` and ``recv`` poll and call ``check`` between polls
+    (a REQ socket's send blocks while no receiver is connected, its receive until the answer comes)."""
 
     def __init__(self, socket: Any, check: Callable[[float], None]) -> None:
         self._socket = socket
         self._check = check
 
-    def recv(self, *args: Any, **kwargs: Any) -> Any:
+    def _wait(self, event: int) -> None:
         started = time.monotonic()
-        while not self._socket.poll(_POLL_MS, zmq.POLLIN):
+        while not self._socket.poll(_POLL_MS, event):
             self._check(time.monotonic() - started)
+
+    def send_pyobj(self, obj: Any, *args: Any, **kwargs: Any) -> Any:
+        self._wait(zmq.POLLOUT)
+        return self._socket.send_pyobj(obj, *args, **kwargs)
+
+    def recv(self, *args: Any, **kwargs: Any) -> Any:
+        self._wait(zmq.POLLIN)
         return self._socket.recv(*args, **kwargs)
+
+    def ack_ready(self, timeout_ms: int) -> bool:
+        return bool(self._socket.poll(timeout_ms, zmq.POLLIN))
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._socket, name)
@@ -68,7 +82,7 @@ class WatchedWeightSender(BucketedWeightSender):
         receiver: The Ray object ref of the server's load call (None on ranks without the server handle:
             they rely on the timeout, and on the first rank failing the whole worker group's call).
         describe: Names the sync in errors ("policy runner, replica 0, step 3").
-        timeout_s: Seconds to wait for one acknowledgement.
+        timeout_s: Seconds to wait for the receiver to connect, and for each acknowledgement.
     """
 
     def __init__(self, *, receiver: Any, describe: str, timeout_s: float, **kwargs: Any) -> None:
@@ -88,6 +102,10 @@ class WatchedWeightSender(BucketedWeightSender):
                 ray.get(self.receiver)
             except Exception as exc:
                 raise WeightSyncError(_failure_message(self.describe, exc)) from exc
+            # The workers acknowledge the last bucket just before their call returns: give the
+            # acknowledgement a moment to arrive before calling it missing.
+            if isinstance(self.socket, _WatchedSocket) and self.socket.ack_ready(_ACK_GRACE_MS):
+                return
             raise WeightSyncError(
                 f"Weight sync ({self.describe}): the vLLM server's load call returned before acknowledging every "
                 "weight bucket, so part of the weights was never loaded. This is a verl/vLLM version mismatch; "
@@ -95,15 +113,30 @@ class WatchedWeightSender(BucketedWeightSender):
             )
         if waited_s > self.timeout_s:
             raise WeightSyncError(
-                f"Weight sync ({self.describe}): no acknowledgement from the vLLM workers for {waited_s:.0f} s. They "
-                "are dead or stuck, and the rollout would sample from stale weights. Check the vLLM server's log "
+                f"Weight sync ({self.describe}): the vLLM workers neither took nor acknowledged the weights for "
+                f"{waited_s:.0f} s. They are dead or stuck, and the rollout would sample from stale weights. Check the "
+                "vLLM server's log "
                 f"above; {WEIGHT_SYNC_TIMEOUT_ENV} sets the wait (now {self.timeout_s:.0f} s)."
             )
 
 
+#: A traceback's exception lines ("AssertionError: ...", "ray.exceptions.RaySystemError: ...").
+_EXCEPTION_LINE = re.compile(r"^\s*((?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception|Exit)): (.*)$")
+
+
+def _cause(exc: BaseException) -> str:
+    """The first exception a remote traceback names, and the last if another followed (a failing clean-up
+    can replace the original error: verl's weight receiver raises BufferError when it closes its shared
+    memory after a failed load)."""
+    found = [m.group(0).strip() for m in map(_EXCEPTION_LINE.match, str(exc).splitlines()) if m]
+    if not found:
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+        return lines[-1] if lines else type(exc).__name__
+    return found[0] if found[-1] == found[0] else f"{found[0]} (then: {found[-1]})"
+
+
 def _failure_message(describe: str, exc: BaseException) -> str:
-    lines = [line for line in str(exc).strip().splitlines() if line.strip()]
-    cause = lines[-1].strip() if lines else type(exc).__name__
+    cause = _cause(exc)
     fix = (
         "Check that the actor and the rollout load the same model (actor_rollout_ref.model.path, the policy's "
         "model.path override, rollout.dtype, LoRA settings)."
