@@ -19,7 +19,7 @@ VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.verl_mas-installed
 
-.PHONY: setup vllm-env demo test test-fast clean
+.PHONY: setup vllm-env browser demo test test-fast clean
 
 setup: $(STAMP)
 
@@ -47,7 +47,14 @@ demo: setup
 	PYTHON=$(PY) VERL_MAS_RUN_DIR=runs/quickstart bash recipes/at_grpo_cpu/run.sh
 	$(PY) -m verl_mas.report runs/quickstart/metrics.jsonl --plot runs/quickstart/curves.png
 
-test: setup vllm-env
+# The episode viewer's browser test drives Debian's headless Chromium through its driver (browser downloads by
+# Playwright or Selenium Manager are not reachable); installed with apt-get when missing and run as root.
+browser:
+	@if command -v chromium >/dev/null && command -v chromedriver >/dev/null; then :; \
+	elif [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null; \
+	else echo "make test needs Chromium and its driver: sudo apt-get install chromium chromium-driver" >&2; exit 1; fi
+
+test: setup vllm-env browser
 	VERL_MAS_VLLM_PYTHON=$(abspath $(VLLM_PY)) $(PY) -m pytest
 
 test-fast: setup

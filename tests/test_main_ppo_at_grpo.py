@@ -29,7 +29,7 @@ def test_at_grpo_trains_a_two_role_workflow_through_main_ppo(tmp_path: Path) -> 
     # 8 tasks a step keeps the test short; one PPO mini-batch of 8 tasks.
     proc = subprocess.run(
         ["bash", str(RECIPE), f"trainer.total_training_steps={STEPS}", "data.train_batch_size=8",
-         f"trainer.test_freq={STEPS}"],
+         f"trainer.test_freq={STEPS}", f"mas.record.every_n_steps={STEPS}"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1500,
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-5000:]
@@ -62,6 +62,19 @@ def test_at_grpo_trains_a_two_role_workflow_through_main_ppo(tmp_path: Path) -> 
     print(f"[main-ppo-at-grpo] validation after step {STEPS}: {val}")
     assert list(val) == ["val-core/relay-v0/acc/mean@1"] and 0.0 <= val["val-core/relay-v0/acc/mean@1"] <= 1.0
     assert not any(k.startswith("val-") for m in metrics[:-1] for k in m["data"])
+    # Episodes recorded for the viewer (mas.record): 4 of steps 1 and 3, 4 of the validation after step 3.
+    files = sorted(p.name.rsplit("_", 1)[0] for p in (run_dir / "episodes").glob("episodes_*.jsonl"))
+    assert files == ["episodes_train_step000001", "episodes_train_step000003", "episodes_val_step000003"]
+    for path in (run_dir / "episodes").glob("episodes_*.jsonl"):
+        records = [json.loads(line) for line in path.read_text().splitlines()]
+        validation = "_val_" in path.name
+        assert len(records) == 4 and {r["step"] for r in records} == {int(path.name.split("step")[1][:6])}
+        for g in (g for r in records for g in r["groups"]):
+            assert len(g["candidates"]) == (1 if validation else 4) and sum(c["committed"] for c in g["candidates"]) == 1
+            if not validation:  # AT-GRPO advantages within the node: centred, zero when the rewards tie
+                advantages = [c["advantage"] for c in g["candidates"]]
+                assert abs(sum(advantages)) < 1e-5
+                assert (len({c["reward"] for c in g["candidates"]}) == 1) == (set(advantages) == {0.0})
     # Across the run some groups have reward variance, so advantages are non-zero and the policy moves.
     assert max(m["data"]["critic/advantages/max"] for m in metrics) > 0
     assert min(m["data"]["critic/advantages/min"] for m in metrics) < 0

@@ -394,7 +394,19 @@ async def test_every_key_of_the_mas_block_has_an_effect(tiny_model_dir: Path) ->
         tune_replay_buffer(buffer, MasConfig(replay_poll_interval_s=0.05), {})
         assert buffer.poll_interval == 0.05
 
+    async def record() -> None:  # the agent loop writes sampled episodes for python -m verl_mas.view
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as folder:
+            block = {"branching": 2, "record": {"dir": folder, "every_n_steps": 2, "episodes": 1}}
+            for _ in range(2):  # the server reports weight version 3: step 4 is recorded, one episode per worker
+                await loop_rows(block)
+            files = sorted(Path(folder).glob("episodes_train_step000004_*.jsonl"))
+            assert len(files) == 1 and len(files[0].read_text().splitlines()) == 1
+            assert json.loads(files[0].read_text())["step"] == 4
+
     observations = {
+        "record": record,
         "branching": branching, "max_turns": max_turns, "alpha": alpha, "grouping": grouping, "sampling": sampling,
         "tie_break": tie_break, "singleton_advantage": singleton_advantage, "check_group_prompts": check_group_prompts,
         "workflow": workflow, "roles": roles_and_policies, "policies": roles_and_policies, "sandbox": sandbox_block,

@@ -31,3 +31,31 @@ def test_table_compares_first_and_last_window(tmp_path: Path) -> None:
 def test_plot_writes_a_png(tmp_path: Path) -> None:
     out = plot(load_metrics(_write(tmp_path / "m.jsonl")), tmp_path / "curves.png")
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_report_writes_the_episode_page_when_the_run_recorded_episodes(tmp_path: Path, capsys) -> None:
+    import json
+
+    from verl_mas.recording import episode_record, write_records
+    from verl_mas.report import main
+    from verl_mas.testing import ScriptedLLM, default_tokenizer, run_workflow
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "data": {"mas/success_rate": 0.5}}) + "\n")
+    main([str(run / "metrics.jsonl")])
+    assert "episodes:" not in capsys.readouterr().out and not (run / "episodes.html").exists()  # none recorded
+    tokenizer = default_tokenizer()
+    task = {"message": ["red", "blue"]}
+    episode = run_workflow("relay-v0", task, ScriptedLLM({"caller": "red", "runner": "red"}, tokenizer=tokenizer),
+                           branching=2, max_turns=2, tokenizer=tokenizer)
+    write_records(run / "episodes" / "episodes_train_step000001_1.jsonl",
+                  [episode_record(episode, source="train", task=task, step=1, tokenizer=tokenizer)] * 3)
+    main([str(run / "metrics.jsonl")])
+    out = capsys.readouterr().out
+    assert f"episodes: 3 recorded in {run / 'episodes'}; open {run / 'episodes.html'} in a browser" in out
+    import re
+
+    page = (run / "episodes.html").read_text()
+    embedded = re.search(r'<script type="application/json" id="episodes">(.*?)</script>', page, re.S).group(1)
+    assert [e["task_uid"] for e in json.loads(embedded)] == [episode.task_uid] * 3

@@ -48,6 +48,12 @@ def episode_seed(uid: str, session_id: int) -> int:
     return int.from_bytes(digest, "little") & ((1 << 31) - 1)
 
 
+#: Per worker process (verl instantiates an agent loop per episode): the policies' tokenizers, and how many
+#: episodes were recorded per (folder, source, step) for ``mas.record``.
+_POLICY_TOKENIZERS: dict[tuple[Any, ...], dict[str, Any]] = {}
+_RECORDED: dict[tuple[str, str, int], int] = {}
+
+
 class RolloutServerError(RuntimeError):
     """A rollout server raised on a request: deterministic (the same request fails again), so the run stops."""
 
@@ -141,6 +147,7 @@ class MasAgentLoop(AgentLoopBase):
             self.policy_configs = policy_configs(self.config.actor_rollout_ref, self.mas_config)
         # Each role renders its prompts and decodes its answers with its own policy's tokenizer.
         self.role_tokenizers = self.router.tokenizers(self._policy_tokenizers())
+        self.record_settings = self.mas_config.record_settings
         if self.mas_config.sandbox:
             # Workflows run model-written code through verl_mas.sandbox.run_python(): configure it from mas.sandbox.
             from verl_mas import sandbox
@@ -166,6 +173,14 @@ class MasAgentLoop(AgentLoopBase):
         first = source(self.policy_configs[names[0]])
         if all(source(arr) == first for arr in self.policy_configs.values()):
             return {name: self.tokenizer for name in names}
+        # verl builds an agent loop per episode: load the policies' tokenizers once per worker process.
+        key = (id(self.tokenizer),
+               tuple((name, source(arr), str(arr.model.path)) for name, arr in self.policy_configs.items()))
+        if key not in _POLICY_TOKENIZERS:
+            _POLICY_TOKENIZERS[key] = self._load_policy_tokenizers(first, source)
+        return _POLICY_TOKENIZERS[key]
+
+    def _load_policy_tokenizers(self, first: str | None, source: Any) -> dict[str, Any]:
         from verl.utils.config import omega_conf_to_dataclass
         from verl.workers.config import HFModelConfig
 
@@ -224,6 +239,7 @@ class MasAgentLoop(AgentLoopBase):
             seed=episode_seed(uid, session_id),
             task_uid=uid,
         )
+        self._record(episode, task, validate)
         if episode.aborted:
             logger.warning("episode of %s for row %s aborted: %s", workflow_id, uid, episode.error)
             if self.mas_config.grouping == "trajectory":
@@ -231,6 +247,31 @@ class MasAgentLoop(AgentLoopBase):
                 # failure left unknown: none of its rows is trained on (the trainer counts it as aborted).
                 return []
         return self._outputs(episode, workflow_id)
+
+    def _record(self, episode: Episode, task: Any, validate: bool) -> None:
+        """Write the episode for ``python -m verl_mas.view`` if ``mas.record`` asks for this step (and budget is left)."""
+        settings = self.record_settings
+        if not settings.enabled:
+            return
+        versions = [int(c.extra.get("global_steps", 0) or 0) for c in episode.candidates if c.infra_error is None]
+        # The server reports the weight version it sampled with (the number of updates applied): training step
+        # t samples with version t - 1; the validation after step t (logged at step t) with version t.
+        step = max(versions, default=0) + (0 if validate else 1)
+        source = "val" if validate else "train"
+        key = (str(settings.dir), source, step)
+        if not settings.records_step(step) or _RECORDED.get(key, 0) >= settings.episodes:
+            return
+        _RECORDED[key] = _RECORDED.get(key, 0) + 1
+        from verl_mas.recording import episode_record, write_records
+
+        algorithm = self.config.get("algorithm", None) or {}
+        record = episode_record(
+            episode, source=source, task=task, step=step, tokenizer=self.role_tokenizers,
+            policies={role: self.router.policy_of(role) for role in episode.roles},
+            grouping=self.mas_config.grouping, norm_by_std=bool(algorithm.get("norm_adv_by_std_in_grpo", True)),
+            singleton=self.mas_config.singleton_advantage,
+        )
+        write_records(settings.path(source, step), [record])
 
     def _workflow_and_task(self, row: Mapping[str, Any]) -> tuple[str, Any]:
         extra = row.get("extra_info") or {}

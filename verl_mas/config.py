@@ -95,6 +95,9 @@ class MasConfig(EpisodeSettings):
     writes them). 1 (default): every node commits its only sample, so verl's ``val-core/<source>/acc``
     is single-sample team success, comparable across sampling modes (training success under tree
     sampling includes best-of-K commits)."""
+    record: Mapping[str, Any] = field(default_factory=dict)
+    """Episodes recorded for ``python -m verl_mas.view``: ``{dir: DIR, every_n_steps: N, episodes: M}`` (off
+    unless ``dir`` is set; see :mod:`verl_mas.recording`)."""
     replay_poll_interval_s: float = 0.2
     """How often the trainer checks whether the step's episodes have finished (verl's default: 2 s)."""
     _check: InitVar[bool] = True
@@ -131,6 +134,9 @@ class MasConfig(EpisodeSettings):
                 "mas.branching=1."
             )
         out.extend(self._policy_problems())
+        from verl_mas.recording import RecordSettings
+
+        out.extend(RecordSettings.parse(self.record)[1])
         if self.sandbox:
             from verl_mas.sandbox import SandboxConfig
 
@@ -227,6 +233,13 @@ class MasConfig(EpisodeSettings):
     @property
     def multi_policy(self) -> bool:
         return len(self.policies) > 1
+
+    @property
+    def record_settings(self) -> Any:
+        """``mas.record`` parsed (:class:`verl_mas.recording.RecordSettings`)."""
+        from verl_mas.recording import RecordSettings
+
+        return RecordSettings.parse(self.record)[0]
 
     @property
     def episode_config(self) -> EpisodeConfig:

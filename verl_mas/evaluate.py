@@ -27,7 +27,7 @@ import json
 import logging
 import math
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -88,7 +88,8 @@ def model_tokenizers(paths: Sequence[str]) -> dict[str, Any]:
 
 
 async def evaluate(
-    rows: list[dict[str, Any]], *, client: LLMClient, tokenizer: Any, config: EpisodeConfig, seed: int = 0
+    rows: list[dict[str, Any]], *, client: LLMClient, tokenizer: Any, config: EpisodeConfig, seed: int = 0,
+    records: list[dict[str, Any]] | None = None, policies: Mapping[str, str] | None = None,
 ) -> dict[str, float]:
     """Run one episode per row (concurrently) and aggregate success and metrics.
 
@@ -98,6 +99,9 @@ async def evaluate(
         tokenizer: Renders prompts with its chat template and decodes answers (a ``{role: tokenizer}`` mapping,
             e.g. :meth:`verl_mas.routing.RoleRouter.tokenizers`, when the roles' models differ in vocabulary).
         config: Branching, turns, alpha (use ``branching=1`` for single-sample accuracy).
+        records: If given, every episode's viewing record (:func:`verl_mas.recording.episode_record`) is
+            appended to it, in row order.
+        policies: ``{role: model}`` for the records.
 
     Returns:
         ``success_rate/<data_source>``, ``success_rate`` (all rows; an episode aborted by an infrastructure
@@ -114,9 +118,16 @@ async def evaluate(
         metrics = dict(episode.metrics)
         if episode.aborted:
             metrics["mas/success"] = 0.0  # never left out of the rate: a failure, counted in aborted_rate
+        if records is not None:
+            from verl_mas.recording import episode_record
+
+            recorded[i] = episode_record(episode, source="evaluate", task=task, tokenizer=tokenizer, policies=policies)
         return row["data_source"], metrics
 
+    recorded: dict[int, dict[str, Any]] = {}
     results = await asyncio.gather(*(one(i, row) for i, row in enumerate(rows)))
+    if records is not None:
+        records.extend(recorded[i] for i in sorted(recorded))
     by_source: dict[str, list[float]] = defaultdict(list)
     sums: dict[str, list[float]] = defaultdict(list)
     for source, metrics in results:
@@ -161,6 +172,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--limit", type=int, default=None, help="evaluate the first N rows only")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None, help="also write the report to this file")
+    parser.add_argument("--record", metavar="FILE", default=None,
+                        help="also append every episode to FILE (JSON lines) for python -m verl_mas.view")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
 
@@ -184,13 +197,21 @@ def main(argv: Sequence[str] | None = None) -> None:
     tokenizer = router.tokenizers({path: tokenizers[path] for path in router.policies})
     config = EpisodeConfig(branching=args.branching, max_turns=args.max_turns, alpha=args.alpha,
                            chat_template_kwargs=dict(args.chat_template_kwargs))
-    report = asyncio.run(evaluate(rows, client=client, tokenizer=tokenizer, config=config, seed=args.seed))
+    records: list[dict[str, Any]] | None = [] if args.record else None
+    policies = {role: router.policy_of(role) for roles in roles_of_workflows(
+        str(row["extra_info"]["workflow"]) for row in rows).values() for role in roles}
+    report = asyncio.run(evaluate(rows, client=client, tokenizer=tokenizer, config=config, seed=args.seed,
+                                  records=records, policies=policies))
     for role, path in sorted(role_models.items()):
         print(f"{'role ' + role:<40} {path}")
     for key, value in report.items():
         print(f"{key:<40} {value:.4f}")
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))
+    if records is not None:
+        from verl_mas.recording import write_records
+
+        print(f"recorded {len(records)} episodes to {write_records(args.record, records)}")
 
 
 if __name__ == "__main__":

@@ -4,6 +4,9 @@ Reads the JSON-lines file verl's ``file`` logger writes (``trainer.logger=[conso
 ``VERL_FILE_LOGGER_PATH``)::
 
     python -m verl_mas.report runs/at_grpo_cpu/metrics.jsonl --plot runs/at_grpo_cpu/curves.png
+
+When the run recorded episodes (``mas.record``, in ``episodes/`` next to the metrics file), the report also
+writes the episode page (``python -m verl_mas.view``) next to them, ``episodes.html``, and names it.
 """
 
 from __future__ import annotations
@@ -99,11 +102,20 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("metrics", help="metrics.jsonl written by verl's file logger")
     parser.add_argument("--plot", default=None, help="write a PNG of reward/success per role to this path")
     parser.add_argument("--window", type=int, default=10, help="steps averaged at the start and the end")
+    parser.add_argument("--view", default=None, help="where to write the page of recorded episodes (default: "
+                        "episodes.html next to the metrics file, when the run recorded episodes)")
     args = parser.parse_args(argv)
     rows = load_metrics(args.metrics)
     print(role_table(rows, window=args.window))
     if args.plot:
         print(f"plot: {plot(rows, args.plot)}")
+    recorded = Path(args.metrics).parent / "episodes"
+    if any(recorded.glob("episodes*.jsonl")):
+        from verl_mas.view import read_episodes, write_page
+
+        episodes = read_episodes([recorded])
+        page = write_page(episodes, Path(args.view) if args.view else recorded.parent / "episodes.html")
+        print(f"episodes: {len(episodes)} recorded in {recorded}; open {page} in a browser")
 
 
 if __name__ == "__main__":

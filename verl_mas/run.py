@@ -58,6 +58,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--alpha", type=float, default=1.0, help="team-reward weight (default 1)")
     parser.add_argument("--tie-break", choices=("first", "random"), default="first")
     parser.add_argument("--tokenizer", help="a tokenizer directory (default: the tiny built-in tokenizer)")
+    parser.add_argument("--record", metavar="FILE", help="also append the episode to FILE (JSON lines) for "
+                        "python -m verl_mas.view")
     args = parser.parse_args(argv)
 
     from verl_mas.settings import EpisodeConfig
@@ -102,6 +104,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         tokenizer=tokenizer,
     )
     print(episode.transcript())
+    if args.record:
+        from verl_mas.recording import episode_record, write_records
+        from verl_mas.testing import default_tokenizer
+
+        record = episode_record(episode, source="run", task=task if task is not None else cls.example_task,
+                                tokenizer=tokenizer or default_tokenizer())
+        print(f"recorded to {write_records(args.record, [record])}")
     return 0
 
 

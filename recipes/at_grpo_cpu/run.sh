@@ -21,5 +21,5 @@ export VERL_FILE_LOGGER_PATH="$RUN_DIR/metrics.jsonl"
 "$PYTHON" -m verl.trainer.main_ppo --config-path "$HERE" --config-name at_grpo_cpu \
   actor_rollout_ref.model.path="$RUN_DIR/model" \
   data.train_files="$RUN_DIR/data/train.parquet" data.val_files="$RUN_DIR/data/test.parquet" \
-  hydra.run.dir="$RUN_DIR/hydra" trainer.default_local_dir="$RUN_DIR/checkpoints" \
+  hydra.run.dir="$RUN_DIR/hydra" trainer.default_local_dir="$RUN_DIR/checkpoints" mas.record.dir="$RUN_DIR/episodes" \
   "$@"
