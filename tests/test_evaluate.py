@@ -92,8 +92,11 @@ def test_cli_role_swap_with_two_tiny_models(tmp_path: Path, capsys) -> None:
     # Models of different vocabularies in one team: each role renders and decodes with its own tokenizer.
     other = write_tiny(tmp_path / "other", hidden_size=32, num_hidden_layers=1)  # generic BPE vocabulary
     main(["--data", str(tmp_path / "data" / "test.parquet"), "--model", str(a), "--role", f"runner={other}",
-          "--max-tokens", "3", "--json", str(out)])
+          "--max-tokens", "3", "--json", str(out), "--record", str(tmp_path / "episodes.jsonl")])
     assert json.loads(out.read_text())["episodes"] == 4.0
+    records = [json.loads(line) for line in (tmp_path / "episodes.jsonl").read_text().splitlines()]
+    assert len(records) == 4 and {r["source"] for r in records} == {"evaluate"}
+    assert records[0]["policies"] == {"caller": str(a), "runner": str(other)}
     # A model directory whose tokenizer is not its model's (more tokens than embedding rows) is refused.
     import shutil
 

@@ -54,6 +54,11 @@ _POLICY_TOKENIZERS: dict[tuple[Any, ...], dict[str, Any]] = {}
 _RECORDED: dict[tuple[str, str, int], int] = {}
 
 
+def _weight_versions(candidates: Any) -> list[int]:
+    """The weight version (verl's ``global_steps`` at the last sync) each candidate's server sampled it with."""
+    return [int(c.extra.get("global_steps", 0) or 0) for c in candidates]
+
+
 class RolloutServerError(RuntimeError):
     """A rollout server raised on a request: deterministic (the same request fails again), so the run stops."""
 
@@ -253,7 +258,7 @@ class MasAgentLoop(AgentLoopBase):
         settings = self.record_settings
         if not settings.enabled:
             return
-        versions = [int(c.extra.get("global_steps", 0) or 0) for c in episode.candidates if c.infra_error is None]
+        versions = _weight_versions(c for c in episode.candidates if c.infra_error is None)
         # The server reports the weight version it sampled with (the number of updates applied): training step
         # t samples with version t - 1; the validation after step t (logged at step t) with version t.
         step = max(versions, default=0) + (0 if validate else 1)
@@ -291,7 +296,7 @@ class MasAgentLoop(AgentLoopBase):
 
     def _outputs(self, episode: Episode, workflow_id: str) -> list[AgentLoopOutput]:
         trainable = [c for c in episode.candidates if c.trainable]
-        steps = [int(c.extra.get("global_steps", 0) or 0) for c in trainable] or [0]
+        steps = _weight_versions(trainable) or [0]
         episode_metrics = {k: float(v) for k, v in episode.metrics.items()}
         # verl's validation reports reward_extra_info per data source; "acc" becomes val-core/<source>/acc.
         if "mas/success" in episode_metrics:

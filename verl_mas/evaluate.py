@@ -186,7 +186,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     # The router training uses: here each model directory is a policy, --model the default one.
     router = RoleRouter(role_models, list(dict.fromkeys(paths)), default=args.model,
                         route="--role {role}=MODEL (or --model for every role not listed)")
-    problems = router.problems(roles_of_workflows(str(row["extra_info"]["workflow"]) for row in rows))
+    roles = roles_of_workflows(str(row["extra_info"]["workflow"]) for row in rows)
+    problems = router.problems(roles)
     if problems:
         raise SystemExit("python -m verl_mas.evaluate: " + " ".join(problems))
     engines = {
@@ -198,8 +199,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     config = EpisodeConfig(branching=args.branching, max_turns=args.max_turns, alpha=args.alpha,
                            chat_template_kwargs=dict(args.chat_template_kwargs))
     records: list[dict[str, Any]] | None = [] if args.record else None
-    policies = {role: router.policy_of(role) for roles in roles_of_workflows(
-        str(row["extra_info"]["workflow"]) for row in rows).values() for role in roles}
+    policies = {role: router.policy_of(role) for workflow_roles in roles.values() for role in workflow_roles}
     report = asyncio.run(evaluate(rows, client=client, tokenizer=tokenizer, config=config, seed=args.seed,
                                   records=records, policies=policies))
     for role, path in sorted(role_models.items()):
