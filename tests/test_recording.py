@@ -103,7 +103,7 @@ def test_run_and_evaluate_record_their_episodes(tmp_path: Path) -> None:
 
 def test_record_settings_are_validated_and_select_steps() -> None:
     assert not RecordSettings.parse(None)[0].enabled
-    settings, problems = RecordSettings.parse({"dir": "/tmp/x", "every_n_steps": 10, "episodes": 2})
+    settings, problems = RecordSettings.parse({"dir": "runs/x/episodes", "every_n_steps": 10, "episodes": 2})
     assert problems == [] and [s for s in range(1, 31) if settings.records_step(s)] == [1, 10, 20, 30]
     _, problems = RecordSettings.parse({"dir": 3, "every_n_steps": 0, "episods": 2})
     assert problems == ["mas.record has unknown keys ['episods']; the keys are ['dir', 'every_n_steps', 'episodes'].",
