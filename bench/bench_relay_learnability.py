@@ -12,7 +12,7 @@ success of single-sample (K = 1) episodes on the test tasks, where no best-of-K 
 
 Usage::
 
-    python bench/bench_relay_learnability.py [--steps 150 --batch 16 --k 4 --lr 3e-3 --seed 0]
+    python bench/bench_relay_learnability.py [--steps 150 --batch 16 --k 4 --lr 3e-3 --seed 0 --chat compact]
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import torch
 
 from verl_mas import EpisodeConfig, Sample, run_episode
 from verl_mas.data import read_tasks, write_dataset
-from verl_mas.tiny import build_model, build_tokenizer
+from verl_mas.tiny import CHAT_TEMPLATE, build_model, build_tokenizer
 from verl_mas.workflows.relay import RelayWorkflow
 
 
@@ -146,6 +146,8 @@ def main() -> None:
     parser.add_argument("--eval-every", type=int, default=10)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1 is fastest for this model size)")
+    parser.add_argument("--chat", choices=("compact", "chatml"), default="compact",
+                        help="the tailored tokenizer's chat layout: its compact default or ChatML (10-token prompts)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     random.seed(args.seed)
@@ -153,7 +155,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         train_path, test_path = write_dataset("relay-v0", tmp, train=64, test=16, seed=args.seed)
         train_tasks, test_tasks = read_tasks(train_path), read_tasks(test_path)
-    tokenizer = build_tokenizer(vocab=RelayWorkflow.vocabulary)
+    tokenizer = build_tokenizer(vocab=RelayWorkflow.vocabulary, chat_template=CHAT_TEMPLATE if args.chat == "chatml" else None)
     model = build_model(tokenizer, seed=args.seed)
     optim = torch.optim.Adam(model.parameters(), lr=args.lr)
     gen = torch.Generator().manual_seed(args.seed)

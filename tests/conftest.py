@@ -23,6 +23,18 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 SYNC_TOLERANCE = 1e-6
 
 
+#: The quickstart recipe (recipes/at_grpo_cpu) sized as the tests that use it as a fixture assert on it: K=4,
+#: one PPO mini-batch of 8 tasks, rows in batch order, no validation unless the test asks for it (then one
+#: greedy episode per task). The recipe's own settings (K=8, 2-task mini-batches, shuffled rows, sampled and
+#: greedy validation every 10 steps) are what `make demo` learns with; tests/test_main_ppo_at_grpo.py runs them.
+#: A test's own overrides come after these (Hydra: the last value of a key wins).
+RELAY_TEST_SHAPE = (
+    "mas.branching=4", "actor_rollout_ref.actor.ppo_mini_batch_size=8", "actor_rollout_ref.actor.shuffle=false",
+    "trainer.val_before_train=false", "trainer.test_freq=-1", "actor_rollout_ref.rollout.val_kwargs.n=1",
+    "actor_rollout_ref.rollout.val_kwargs.do_sample=false", "mas.val_greedy=false",
+)
+
+
 def rollout_sync_problems(metrics: list[dict], tolerance: float = SYNC_TOLERANCE) -> list[str]:
     """Steps whose rollout-vs-actor probability gap says the rollout did not sample from the actor."""
     return [
@@ -52,8 +64,9 @@ def run_recipe(recipe: Path, run_dir: Path, *overrides: str, steps: int, python:
 
 @pytest.fixture(scope="session")
 def recipe_runs() -> SimpleNamespace:
-    """``run(recipe, run_dir, *overrides, steps=, python=, **env)`` and ``sync_problems(metrics)``."""
-    return SimpleNamespace(run=run_recipe, sync_problems=rollout_sync_problems)
+    """``run(recipe, run_dir, *overrides, steps=, python=, **env)``, ``sync_problems(metrics)`` and
+    ``relay_shape`` (:data:`RELAY_TEST_SHAPE`)."""
+    return SimpleNamespace(run=run_recipe, sync_problems=rollout_sync_problems, relay_shape=RELAY_TEST_SHAPE)
 
 
 @pytest.fixture(scope="session")

@@ -26,15 +26,16 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "at_grpo_cpu" / "run.sh"
-K, TASKS = 4, 8
+K, TASKS = 4, 8  # K: recipe_runs.relay_shape's
 SAVE_HF = "actor_rollout_ref.actor.checkpoint.save_contents=[model,optimizer,extra,hf_model]"
 
 
-def _run(run_dir: Path, *overrides: str) -> list[dict]:
+def _run(run_dir: Path, shape: tuple[str, ...], *overrides: str) -> list[dict]:
+    """The quickstart recipe in the tests' shape (``recipe_runs.relay_shape``), then ``overrides``."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("VERL_")}
     env.update(PYTHON=sys.executable, VERL_MAS_RUN_DIR=str(run_dir))
     proc = subprocess.run(
-        ["bash", str(RECIPE), f"data.train_batch_size={TASKS}", "mas.alpha=0", *overrides],
+        ["bash", str(RECIPE), *shape, f"data.train_batch_size={TASKS}", "mas.alpha=0", *overrides],
         cwd=run_dir.parent, env=env, capture_output=True, text=True, timeout=1500,
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-5000:]
@@ -54,7 +55,7 @@ def _val_outputs(path: Path) -> list[tuple[str, str]]:
 
 
 @pytest.mark.slow
-def test_per_role_models_of_different_sizes_train_route_sync_save_and_resume(tmp_path: Path) -> None:
+def test_per_role_models_of_different_sizes_train_route_sync_save_and_resume(tmp_path: Path, recipe_runs) -> None:
     from verl_mas.tiny import write_tiny
 
     run_dir = tmp_path / "run"
@@ -64,7 +65,7 @@ def test_per_role_models_of_different_sizes_train_route_sync_save_and_resume(tmp
     runner_model = write_tiny(tmp_path / "runner_model", hidden_size=128, num_hidden_layers=3, seed=7)
     policies = ["mas_policies=per_role_models", f"mas.policies.runner.model.path={runner_model}",
                 "+mas.policies.runner.actor={optim: {weight_decay: 0.0}}"]
-    metrics = _run(run_dir, *policies, "trainer.total_training_steps=2", "trainer.save_freq=2", SAVE_HF,
+    metrics = _run(run_dir, recipe_runs.relay_shape, *policies, "trainer.total_training_steps=2", "trainer.save_freq=2", SAVE_HF,
                    "trainer.test_freq=2", f"trainer.validation_data_dir={run_dir / 'val1'}")
     steps = [m for m in metrics if "mas/success_rate" in m["data"]]
     assert [m["step"] for m in steps] == [1, 2]
@@ -106,7 +107,7 @@ def test_per_role_models_of_different_sizes_train_route_sync_save_and_resume(tmp
     # step is 3 in the step-3 checkpoint; a policy restarted from scratch would have 1).
     # The resumed run also moves the runner to a resource pool of its own (a second logical GPU), where
     # its log-probs and update run concurrently with the caller's.
-    resumed = _run(run_dir, *policies, "trainer.total_training_steps=3", "trainer.val_before_train=True",
+    resumed = _run(run_dir, recipe_runs.relay_shape, *policies, "trainer.total_training_steps=3", "trainer.val_before_train=True",
                    "trainer.test_freq=3", f"trainer.validation_data_dir={run_dir / 'val2'}", "trainer.save_freq=3",
                    "+mas.policies.runner.resources={n_gpus_per_node: 1}", "ray_kwargs.ray_init.num_gpus=2")
     new = resumed  # verl's file logger starts metrics.jsonl afresh in every process
@@ -132,9 +133,9 @@ def test_per_role_models_of_different_sizes_train_route_sync_save_and_resume(tmp
 
 
 @pytest.mark.slow
-def test_per_role_lora_updates_only_the_producing_roles_adapter(tmp_path: Path) -> None:
+def test_per_role_lora_updates_only_the_producing_roles_adapter(tmp_path: Path, recipe_runs) -> None:
     run_dir = tmp_path / "run"
-    metrics = _run(run_dir, "mas_policies=per_role_lora", "+mas.policies.runner.actor.optim.weight_decay=0.0",
+    metrics = _run(run_dir, recipe_runs.relay_shape, "mas_policies=per_role_lora", "+mas.policies.runner.actor.optim.weight_decay=0.0",
                    "trainer.total_training_steps=2", "trainer.save_freq=2", SAVE_HF)
     steps = [m for m in metrics if "mas/success_rate" in m["data"]]
     assert [m["step"] for m in steps] == [1, 2]

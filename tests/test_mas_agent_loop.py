@@ -116,14 +116,50 @@ async def test_one_output_per_candidate_with_consistent_masks_logprobs_and_group
 async def test_validation_rows_run_single_sample_episodes_and_report_success_as_acc(tiny_model_dir: Path) -> None:
     loop, client, _ = _make_loop(tiny_model_dir, {"branching": 3, "max_turns": 2})
     # A test-split row (verl's validation set as python -m verl_mas.data writes it): mas.val_branching=1,
-    # so 2 turns x 2 roles x 1 candidate = 4 requests (a training row of the same task makes 12, above).
+    # so 2 turns x 2 roles x 1 candidate = 4 requests (a training row of the same task makes 12, above), and
+    # as many again for the greedy episode of the same task (mas.val_greedy, on by default).
     outputs = await loop.run(dict(SAMPLING), **_row("taskV", {"start": 0, "goal": 5}, split="test"))
-    assert client.calls == 4 and len(outputs) == 4
+    assert client.calls == 8 and len(outputs) == 4
+    assert [r[2]["temperature"] for r in client.requests] == [1.0] * 4 + [0] * 4
     assert all(o.extra_fields["mas_committed"] for o in outputs)
     # goal 5 is unreachable in 2 turns: the team fails, and verl's validation reads acc from reward_extra_info.
-    assert {tuple(o.extra_fields["reward_extra_info"].items()) for o in outputs} == {(("acc", 0.0),)}
+    assert {tuple(o.extra_fields["reward_extra_info"].items()) for o in outputs} == {(("acc", 0.0), ("acc_greedy", 0.0))}
     loop3, client3, _ = _make_loop(tiny_model_dir, {"branching": 3, "max_turns": 2, "val_branching": 2})
     assert len(await loop3.run(dict(SAMPLING), **_row("taskV", {"start": 0, "goal": 5}, split="test"))) == 8
+    assert client3.calls == 8 + 4  # the greedy episode takes one candidate per node whatever val_branching
+    # Off, or validation already greedy (val_kwargs.do_sample=false): one episode, no acc_greedy.
+    for block, params in (({"val_greedy": False}, SAMPLING), ({}, {**SAMPLING, "temperature": 0})):
+        loop4, client4, _ = _make_loop(tiny_model_dir, {"branching": 3, "max_turns": 2, **block})
+        outputs = await loop4.run(dict(params), **_row("taskV", {"start": 0, "goal": 5}, split="test"))
+        assert client4.calls == 4 and set(outputs[0].extra_fields["reward_extra_info"]) == {"acc"}
+    # Training rows never play a greedy episode.
+    loop5, client5, _ = _make_loop(tiny_model_dir, {"branching": 3, "max_turns": 2})
+    await loop5.run(dict(SAMPLING), **_row("taskT", {"start": 0, "goal": 5}))
+    assert client5.calls == 12
+
+
+class _GreedyKnowsTheWay:
+    """verl's server-client contract: answers 'right' when decoding greedily, 'left' when sampling."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+
+    async def generate(self, request_id: str, *, prompt_ids: list[int], sampling_params: dict, **kwargs):
+        from verl.workers.rollout.replica import TokenOutput
+
+        ids = self.tokenizer.encode("right" if sampling_params["temperature"] == 0 else "left", add_special_tokens=False)
+        return TokenOutput(token_ids=ids + [self.tokenizer.eos_token_id], log_probs=[-0.1] * (len(ids) + 1),
+                           stop_reason="completed", extra_fields={"global_steps": 3})
+
+
+async def test_acc_greedy_is_the_greedy_episode_success_and_acc_the_sampled_one(tiny_model_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    loop, _, _ = _make_loop(tiny_model_dir, {"branching": 2, "max_turns": 2}, client=_GreedyKnowsTheWay(tokenizer))
+    outputs = await loop.run(dict(SAMPLING), **_row("taskG", {"start": 0, "goal": 1}, split="test"))
+    # The sampled episode walks left (fails: its rows are the outputs), the greedy one reaches the goal.
+    assert {tuple(o.extra_fields["reward_extra_info"].items()) for o in outputs} == {(("acc", 0.0), ("acc_greedy", 1.0))}
 
 
 async def test_grouping_passes_on_real_rows_and_a_broken_key_is_caught(tiny_model_dir: Path) -> None:
@@ -405,8 +441,23 @@ async def test_every_key_of_the_mas_block_has_an_effect(tiny_model_dir: Path) ->
             assert len(files) == 1 and len(files[0].read_text().splitlines()) == 1
             assert json.loads(files[0].read_text())["step"] == 4
 
+    async def val_greedy() -> None:  # validation also plays the task greedily: acc_greedy next to acc
+        for block, keys in (({}, {"acc", "acc_greedy"}), ({"val_greedy": False}, {"acc"})):
+            rows = await loop_rows({"branching": 1, **block}, _row("tk", walk, split="test"))
+            assert set(rows[0].extra_fields["reward_extra_info"]) == keys
+
+    async def drop_zero_variance() -> None:  # the trainer leaves the rows of flat groups out of the update
+        from verl_mas.trainer import rows_to_drop
+
+        groups = groups_of({"branching": 2}, tree_rows)  # goal 5 out of reach: every walk group's rewards...
+        flat = [len(set(groups.rewards[groups.ids == g].tolist())) == 1 for g in groups.ids]
+        padding = np.zeros(len(tree_rows), dtype=bool)
+        dropped, metrics = rows_to_drop(groups, padding, MasConfig(branching=2, drop_zero_variance=True))
+        assert dropped.tolist() == (flat if not all(flat) else [False] * len(flat)) and metrics
+        assert rows_to_drop(groups, padding, MasConfig(branching=2))[0].tolist() == [False] * len(flat)
+
     observations = {
-        "record": record,
+        "record": record, "val_greedy": val_greedy, "drop_zero_variance": drop_zero_variance,
         "branching": branching, "max_turns": max_turns, "alpha": alpha, "grouping": grouping, "sampling": sampling,
         "tie_break": tie_break, "singleton_advantage": singleton_advantage, "check_group_prompts": check_group_prompts,
         "workflow": workflow, "roles": roles_and_policies, "policies": roles_and_policies, "sandbox": sandbox_block,

@@ -286,6 +286,7 @@ def pad_and_balance(
     seed: int = 0,
     balance: bool = True,
     log_prob_micro: int | None = None,
+    tag: dict | None = None,
 ) -> tuple[SimpleNamespace, KVBatchMeta]:
     """``rows`` rows through verl's ``_balance_batch``, with verl's multiple, the mas one, or none (``dp``).
 
@@ -299,7 +300,8 @@ def pad_and_balance(
     for key in keys:
         tq.rows[key] = {"input_ids": torch.zeros(4, dtype=torch.long), "uid": key.split("_")[0]}
     batch = KVBatchMeta(
-        keys=keys, tags=[{"seq_len": rng.randint(16, 256)} for _ in keys], partition_id="train", extra_info={}
+        keys=keys, tags=[{"seq_len": rng.randint(16, 256), **(tag or {})} for _ in keys], partition_id="train",
+        extra_info={}
     )
     trainer = SimpleNamespace(
         config=_config(train_batch_size, mini, n, micro, vpp, epochs, shuffle, log_prob_micro),
@@ -700,3 +702,20 @@ def test_settings_from_a_verl_config() -> None:
     static_without_micro.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu = None
     with pytest.raises(ValueError, match="ppo_micro_batch_size_per_gpu is not set"):
         mini_batch_settings(static_without_micro, dp_size=8)
+
+
+@pytest.mark.parametrize("kept, before, steps", [(224, 1024, 2), (16, 1024, 1), (1024, 1024, 8), (129, 1024, 2)])
+def test_rows_left_by_the_zero_variance_drop_take_fewer_steps_of_the_full_batch_size(kept, before, steps) -> None:
+    from verl_mas.minibatch import ROWS_BEFORE_DROP_TAG, dropped_rows_steps
+
+    # 16 tasks a step in mini-batches of 2: stock verl takes 8 steps, of 1024 / 8 = 128 rows for 1024 rows. The
+    # kept rows of a dropped batch take ceil(8 * kept / before) steps, through verl's own padding and update.
+    assert dropped_rows_steps(8, kept, before) == steps
+    trainer, batch = pad_and_balance(kept, 16, 2, 1, tag={ROWS_BEFORE_DROP_TAG: before})
+    update = actor_update(trainer, batch, ours(trainer, batch))
+    assert update.steps_per_rank == [steps] and all(len(mb) == len(batch) // steps for mb in update.mini_batches)
+    # Negative control: the same rows without the tag take stock verl's 8 steps (of a handful of rows each).
+    trainer, untagged = pad_and_balance(kept, 16, 2, 1)
+    assert actor_update(trainer, untagged, ours(trainer, untagged)).steps_per_rank == [8]
+    with pytest.raises(ValueError, match="kept"):
+        dropped_rows_steps(8, 0, 10)

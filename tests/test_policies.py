@@ -368,7 +368,7 @@ def test_per_policy_settings_reach_the_policys_trainer_view_and_sampling(tmp_pat
     assert (runner.config.actor_rollout_ref.actor.ppo_epochs, runner.config.actor_rollout_ref.actor.ppo_mini_batch_size,
             runner.config.actor_rollout_ref.rollout.temperature) == (3, 4, 0.5)
     assert (caller.config.actor_rollout_ref.actor.ppo_epochs, caller.config.actor_rollout_ref.actor.ppo_mini_batch_size,
-            caller.config.actor_rollout_ref.rollout.temperature) == (1, 8, 1.0)
+            caller.config.actor_rollout_ref.rollout.temperature) == (1, 2, 1.0)  # the recipe's
     # The agent loop samples each role at its policy's temperature (training) or val_kwargs (validation).
     loop = MasAgentLoop.__new__(MasAgentLoop)
     loop.config, loop.mas_config = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True)), mas

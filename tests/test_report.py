@@ -28,6 +28,38 @@ def test_table_compares_first_and_last_window(tmp_path: Path) -> None:
     assert "mas/runner/reward/mean" in table and "4 steps" in table
 
 
+def _write_with_validation(path: Path) -> Path:
+    # verl logs the validation before training at step 0 (a row of its own) and a later one with its step's metrics.
+    val = {0: (0.0625, 0.0), 2: (0.25, 0.5), 4: (0.5625, 0.875)}
+    lines = []
+    for step in range(0, 5):
+        data = {} if step == 0 else {"mas/success_rate": 0.25 * step, "mas/caller/reward/mean": 0.5}
+        if step in val:
+            data["val-core/relay-v0/acc/mean@4"], data["val-aux/relay-v0/acc_greedy/mean@4"] = val[step]
+            data["val-aux/relay-v0/acc/std@4"] = 0.1  # another statistic of verl's: not a success series
+        lines.append(json.dumps({"step": step, "data": data}))
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_held_out_success_opens_the_table_first_and_last_validation(tmp_path: Path) -> None:
+    from verl_mas.report import held_out
+
+    rows = load_metrics(_write_with_validation(tmp_path / "m.jsonl"))
+    assert held_out(rows) == {"relay-v0 greedy": [(0.0, 0.0), (2.0, 0.5), (4.0, 0.875)],
+                              "relay-v0 sampled (mean@4)": [(0.0, 0.0625), (2.0, 0.25), (4.0, 0.5625)]}
+    lines = role_table(rows, window=2).splitlines()
+    assert lines[0].startswith("held-out team success")
+    assert lines[2] == "relay-v0 greedy                       0.000    0.875   +0.875  0 -> 4"
+    assert lines[3] == "relay-v0 sampled (mean@4)             0.062    0.562   +0.500  0 -> 4"
+    # The training part counts training steps only (step 0 holds validation alone): 4 steps, windows of 2.
+    assert "training (4 steps; means over the first and last 2 steps" in lines[5]
+    assert "mas/success_rate                      0.375    0.875   +0.500" in "\n".join(lines)
+    # A run without validation says so instead of leaving the line out.
+    assert role_table(load_metrics(_write(tmp_path / "n.jsonl"))).startswith("held-out team success: none logged")
+    assert plot(rows, tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_plot_writes_a_png(tmp_path: Path) -> None:
     out = plot(load_metrics(_write(tmp_path / "m.jsonl")), tmp_path / "curves.png")
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -60,6 +60,14 @@ def test_tailored_vocabulary_makes_each_word_one_token(tmp_path: Path) -> None:
     assert len(tok) < 100  # tens of tokens, not hundreds
     ids = tok("up down left\nright done").input_ids
     assert tok.convert_ids_to_tokens(ids) == ["up", "Ġdown", "Ġleft", "Ċ", "right", "Ġdone"]
+    # Its chat layout: each message's content on its own line, no role markers (the saved template loads back),
+    # so a prompt is its words and a newline: the answer never starts right after the prompt's last word.
+    chat = [{"role": "system", "content": "up"}, {"role": "user", "content": "left right"}]
+    rendered = tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)["input_ids"]
+    assert tok.convert_ids_to_tokens(rendered) == ["up", "Ċ", "left", "Ġright", "Ċ"]
+    general = AutoTokenizer.from_pretrained(write_tiny(tmp_path / "g"))
+    assert general.apply_chat_template(chat[1:], add_generation_prompt=True, tokenize=False) == (
+        "<|im_start|>user\nleft right<|im_end|>\n<|im_start|>assistant\n")
 
 
 def test_tailored_vocabulary_rejects_multiword_entries() -> None:

@@ -109,3 +109,71 @@ def test_the_row_contract_round_trips_and_a_foreign_row_is_named() -> None:
     del extra["mas_prompt_hash"]
     with pytest.raises(ValueError, match=r"lacks the fields \['mas_prompt_hash'\]"):
         CandidateRow.from_extra_fields(extra)
+
+
+def _grow(role: str, turn: int, reward: float, *, success: float = 0.0, prompt: int = 0) -> CandidateRow:
+    return CandidateRow(workflow="w", role=role, turn=turn, policy="default", reward=reward, team_reward=float("nan"),
+                        local_reward=float("nan"), committed=False, prompt_hash=prompt, episode_index=0,
+                        episode_metrics={"mas/success": success})
+
+
+def test_zero_variance_drop_keeps_every_group_with_variance_and_drops_exactly_the_others() -> None:
+    from verl_mas.trainer import rows_to_drop
+
+    # (task, role, turn) groups of a hand-built batch (rows interleaved, as verl's batches are):
+    #   t1|a|0: rewards 1, 0, 0      -> variance: kept
+    #   t1|b|0: rewards 0, 0, 0      -> flat: dropped
+    #   t2|a|0: rewards 0.5, 0.5     -> flat (not zero, equal): dropped
+    #   t2|a|1: rewards 0.3, 0.3+1e-6 -> variance (above the 1e-8 tolerance): kept
+    #   t3|a|0: one member           -> no baseline: dropped (singleton_advantage zero), kept (raw)
+    # plus a padding row, which is never dropped here (verl's own rows; the trainer adds padding later).
+    spec = [("t1", "a", 0, 1.0), ("t2", "a", 0, 0.5), ("t1", "b", 0, 0.0), ("t1", "a", 0, 0.0), ("t2", "a", 1, 0.3),
+            ("t3", "a", 0, 1.0), ("t1", "b", 0, 0.0), ("t2", "a", 0, 0.5), ("t1", "a", 0, 0.0), ("t1", "b", 0, 0.0),
+            ("t2", "a", 1, 0.3 + 1e-6), ("t1", "a", 0, 1.0)]
+    rows = [_grow(role, turn, reward) for _, role, turn, reward in spec]
+    uids = [uid for uid, *_ in spec]
+    padding = np.zeros(len(spec), dtype=bool)
+    padding[-1] = True
+    groups = assign_groups(rows, uids, padding, MasConfig(branching=3))
+    expected = [False, True, True, False, False, True, True, True, False, True, False, False]
+    dropped, metrics = rows_to_drop(groups, padding, MasConfig(branching=3, drop_zero_variance=True))
+    assert dropped.tolist() == expected
+    assert metrics == {"mas/drop/rows": 6.0, "mas/drop/groups": 3.0, "mas/drop/row_frac": 6 / 11,
+                       "mas/drop/rows_kept": 5.0, "mas/drop/no_signal": 0.0}
+    raw, _ = rows_to_drop(groups, padding, MasConfig(branching=3, drop_zero_variance=True, singleton_advantage="raw"))
+    assert raw.tolist() == [e and i != 5 for i, e in enumerate(expected)]
+    # Negative control: a filter on the row's own reward (drop the zero-reward rows) instead of its group's
+    # spread would keep the flat 0.5 group and drop members of the kept groups; the expectation catches it.
+    assert [r.reward == 0.0 for r in rows] != expected
+
+    # Nothing with signal: nothing is dropped, and the step says so.
+    flat = [_grow("a", 0, 0.0), _grow("a", 0, 0.0)]
+    none, metrics = rows_to_drop(assign_groups(flat, ["t", "t"], np.zeros(2, dtype=bool), MasConfig(branching=2)),
+                                 np.zeros(2, dtype=bool), MasConfig(branching=2, drop_zero_variance=True))
+    assert none.tolist() == [False, False] and metrics["mas/drop/no_signal"] == 1.0 and metrics["mas/drop/rows"] == 0
+    # Per policy: a policy none of whose groups has signal keeps its rows (verl updates every policy it has),
+    # while the other policy's flat groups still go. "q" serves t2|a|0 (flat) and t3 (singleton), "p" the rest.
+    all_flat_q = ["q" if uid == "t2" and turn == 0 or uid == "t3" else "p" for uid, _, turn, _ in spec]
+    kept_q, metrics = rows_to_drop(groups, padding, MasConfig(branching=3, drop_zero_variance=True), policies=all_flat_q)
+    assert kept_q.tolist() == [e and all_flat_q[i] == "p" for i, e in enumerate(expected)]
+    assert metrics["mas/drop/no_signal"] == 1.0
+
+
+def test_zero_variance_drop_under_trajectory_grouping_counts_episodes_not_rows() -> None:
+    from verl_mas.trainer import rows_to_drop
+
+    # Classic GRPO (trajectory groups, parallel sampling): every row scores its episode's outcome.
+    # Task u1: episodes 0 (success) and 1 (failure) -> kept; u2: both fail -> dropped; u3: one episode of
+    # three rows -> one member, no baseline: dropped (zero), kept (raw), though its rows are three.
+    spec = [("u1", 0, 1.0), ("u1", 0, 1.0), ("u1", 1, 0.0), ("u2", 0, 0.0), ("u2", 1, 0.0), ("u3", 0, 1.0),
+            ("u3", 0, 1.0), ("u3", 0, 1.0)]
+    rows = [_grow("a", turn, 0.0, success=success, prompt=turn) for turn, (_, _, success) in enumerate(spec)]
+    uids = [u for u, *_ in spec]
+    episodes = [f"{u}_{e}" for u, e, _ in spec]
+    padding = np.zeros(len(spec), dtype=bool)
+    mas = dict(grouping="trajectory", sampling="parallel", branching=1)
+    groups = assign_groups(rows, uids, padding, MasConfig(**mas), episodes=episodes)
+    dropped, _ = rows_to_drop(groups, padding, MasConfig(**mas, drop_zero_variance=True))
+    assert dropped.tolist() == [False, False, False, True, True, True, True, True]
+    raw, _ = rows_to_drop(groups, padding, MasConfig(**mas, drop_zero_variance=True, singleton_advantage="raw"))
+    assert raw.tolist() == [False, False, False, True, True, False, False, False]

@@ -117,8 +117,8 @@ def test_at_grpo_relay_on_vllm_trains_full_groups_from_synced_weights(tmp_path: 
     run_dir.mkdir()
     subprocess.run([_vllm_python(), "-m", "verl_mas.tiny", "--out", str(run_dir / "model"), "--hidden-size", "128",
                     "--vocab-from", "relay-v0"], check=True, capture_output=True, timeout=300)
-    proc, metrics = recipe_runs.run(REPO / "recipes" / "at_grpo_cpu" / "run.sh", run_dir, *VLLM, "data.train_batch_size=8",
-                                    python=_vllm_python(), steps=3)
+    proc, metrics = recipe_runs.run(REPO / "recipes" / "at_grpo_cpu" / "run.sh", run_dir, *recipe_runs.relay_shape, *VLLM,
+                                    "data.train_batch_size=8", python=_vllm_python(), steps=3)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     assert [m["step"] for m in metrics] == [1, 2, 3] and recipe_runs.sync_problems(metrics) == []
     for m in metrics:
@@ -165,7 +165,8 @@ def _two_policy_run(recipe_runs, tmp_path: Path, tag: str, *overrides: str, sync
     run_dir.mkdir()
     _tiny(run_dir / "model", "--hidden-size", "128", "--vocab-from", "relay-v0")
     proc, metrics = recipe_runs.run(
-        REPO / "recipes" / "at_grpo_cpu" / "run.sh", run_dir, *VLLM, f"data.train_batch_size={TASKS}", "mas.alpha=0",
+        REPO / "recipes" / "at_grpo_cpu" / "run.sh", run_dir, *recipe_runs.relay_shape, *VLLM, f"data.train_batch_size={TASKS}",
+        "mas.alpha=0",
         *overrides, "+mas.policies.runner.actor.optim.weight_decay=0.0", "trainer.save_freq=2",
         "actor_rollout_ref.actor.checkpoint.save_contents=[model,optimizer,extra,hf_model]",
         python=_vllm_python(), steps=2)

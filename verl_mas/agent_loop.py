@@ -24,6 +24,7 @@ more (longer than the context allows) is the workflow's own outcome: the episode
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -31,6 +32,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopMetrics, AgentLoopOutput
+from verl.trainer.ppo.v1.agent_loop_tq import apply_greedy_sampling_params
 
 from verl_mas.client import GenerateRequest, Sample, fan_out
 from verl_mas.config import MasConfig, MasConfigError, mas_trainer_selected
@@ -61,6 +63,25 @@ def _weight_versions(candidates: Any) -> list[int]:
 
 class RolloutServerError(RuntimeError):
     """A rollout server raised on a request: deterministic (the same request fails again), so the run stops."""
+
+
+def _team_success(episode: Episode) -> float | None:
+    """The episode's ``mas/success`` (None if the workflow reports none); an aborted episode is a failure of the
+    team (verl also counts a session without rows as acc 0)."""
+    if "mas/success" not in episode.metrics:
+        return None
+    return 0.0 if episode.aborted else float(episode.metrics["mas/success"])
+
+
+def _is_greedy(params: Mapping[str, Any]) -> bool:
+    return float(params.get("temperature", 1.0)) <= 0.0
+
+
+def _greedy(params: Mapping[str, Any]) -> dict[str, Any]:
+    """``params`` with verl's greedy decoding (its ``apply_greedy_sampling_params``: temperature 0, no top-k/p)."""
+    out = dict(params)
+    apply_greedy_sampling_params(out)
+    return out
 
 
 def _is_infra_cause(cause: BaseException | None) -> bool:
@@ -226,32 +247,38 @@ class MasAgentLoop(AgentLoopBase):
         validate = (kwargs.get("extra_info") or {}).get("split") == "test"
         # Each role's requests reach its policy's servers, sampled with the policy's own settings over verl's.
         own = self._policy_sampling(validate)
-        client = RoleRoutedClient.from_router(self.router, {
-            name: VerlServerClient(self.server_manager, {**sampling_params, **own.get(name, {})},
-                                   policy=name if self.router.multi_policy else None)
-            for name in self.router.policies
-        })
-        episode = await run_episode(
-            workflow_id,
-            task,
-            client=client,
-            tokenizer=self.role_tokenizers,
-            config=self.mas_config.episode_config_for(
-                validate=validate,
-                chat_template_kwargs=self.apply_chat_template_kwargs,
-                max_prompt_tokens=self.max_prompt_tokens,
-            ),
-            seed=episode_seed(uid, session_id),
-            task_uid=uid,
+        params = {name: {**sampling_params, **own.get(name, {})} for name in self.router.policies}
+        config = self.mas_config.episode_config_for(
+            validate=validate, chat_template_kwargs=self.apply_chat_template_kwargs,
+            max_prompt_tokens=self.max_prompt_tokens,
         )
+        episode = await self._play(workflow_id, task, params, config, seed=episode_seed(uid, session_id), uid=uid)
         self._record(episode, task, validate)
+        extra_info = {}
+        if validate and self.mas_config.val_greedy and not all(_is_greedy(p) for p in params.values()):
+            # The same task played greedily (one candidate per node): its team success is ``acc_greedy``
+            # (verl logs it as val-aux/<source>/acc_greedy/mean@n next to the sampled val-core acc).
+            greedy = {name: _greedy(p) for name, p in params.items()}
+            one = dataclasses.replace(config, branching=1)
+            played = await self._play(workflow_id, task, greedy, one, seed=episode_seed(uid, session_id), uid=uid)
+            extra_info["acc_greedy"] = _team_success(played)
         if episode.aborted:
             logger.warning("episode of %s for row %s aborted: %s", workflow_id, uid, episode.error)
             if self.mas_config.grouping == "trajectory":
                 # Trajectory-level GRPO scores every row with the episode's outcome, which an infrastructure
                 # failure left unknown: none of its rows is trained on (the trainer counts it as aborted).
                 return []
-        return self._outputs(episode, workflow_id)
+        return self._outputs(episode, workflow_id, extra_info)
+
+    async def _play(self, workflow_id: str, task: Any, params: Mapping[str, Mapping[str, Any]], config: Any, *,
+                    seed: int, uid: str) -> Episode:
+        """One episode, each role's requests sent to its policy's servers with that policy's ``params``."""
+        client = RoleRoutedClient.from_router(self.router, {
+            name: VerlServerClient(self.server_manager, params[name], policy=name if self.router.multi_policy else None)
+            for name in self.router.policies
+        })
+        return await run_episode(workflow_id, task, client=client, tokenizer=self.role_tokenizers, config=config,
+                                 seed=seed, task_uid=uid)
 
     def _record(self, episode: Episode, task: Any, validate: bool) -> None:
         """Write the episode for ``python -m verl_mas.view`` if ``mas.record`` asks for this step (and budget is left)."""
@@ -294,16 +321,15 @@ class MasAgentLoop(AgentLoopBase):
         task = extra["task"]
         return str(workflow_id), json.loads(task) if isinstance(task, str) else task
 
-    def _outputs(self, episode: Episode, workflow_id: str) -> list[AgentLoopOutput]:
+    def _outputs(self, episode: Episode, workflow_id: str, extra_info: Mapping[str, float] | None = None
+                 ) -> list[AgentLoopOutput]:
         trainable = [c for c in episode.candidates if c.trainable]
         steps = _weight_versions(trainable) or [0]
         episode_metrics = {k: float(v) for k, v in episode.metrics.items()}
         # verl's validation reports reward_extra_info per data source; "acc" becomes val-core/<source>/acc.
-        if "mas/success" in episode_metrics:
-            # An aborted episode is a failure of the team (verl also counts a session without rows as acc 0).
-            reward_extra_info = {"acc": 0.0 if episode.aborted else episode_metrics["mas/success"]}
-        else:
-            reward_extra_info = {}
+        success = _team_success(episode)
+        reward_extra_info = {} if success is None else {"acc": success}
+        reward_extra_info.update({k: v for k, v in (extra_info or {}).items() if v is not None})
         outputs = []
         for i, cand in enumerate(trainable):
             outputs.append(

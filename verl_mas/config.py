@@ -32,7 +32,7 @@ from typing import Any
 from verl_mas.advantage.groups import GROUPING_MODES
 from verl_mas.settings import EpisodeConfig, EpisodeSettings
 
-__all__ = ["ABLATIONS", "MAS_TRAINER_MARK", "MasConfig", "MasConfigError", "mas_trainer_selected"]
+__all__ = ["ABLATIONS", "MAS_TRAINER_MARK", "ablation", "MasConfig", "MasConfigError", "mas_trainer_selected"]
 
 #: ``mas.sampling`` values: K candidates per node of one episode, or K independent episodes per task.
 SAMPLINGS = ("tree", "parallel")
@@ -56,6 +56,14 @@ ABLATIONS: dict[str, tuple[str, ...]] = {
 }
 
 
+
+def ablation(name: str, k: int = 4) -> tuple[str, ...]:
+    """:data:`ABLATIONS` ``[name]`` with ``K = k``: candidates per node (tree) or independent episodes per task
+    (parallel), so that every configuration draws the same number of samples per task."""
+    return tuple(o.replace("mas.branching=4", f"mas.branching={k}").replace("rollout.n=4", f"rollout.n={k}")
+                 for o in ABLATIONS[name])
+
+
 class MasConfigError(ValueError):
     """The ``mas:`` block is invalid; the message lists every problem with its fix."""
 
@@ -75,6 +83,14 @@ class MasConfig(EpisodeSettings):
     """Advantage of a one-member group: ``zero`` (no baseline, no signal) or ``raw`` (its reward)."""
     check_group_prompts: bool = True
     """Check on every batch that all members of a group were sampled from one prompt (raise if not)."""
+    drop_zero_variance: bool = False
+    """Leave the rows of groups without signal (equal rewards, or one member under ``singleton_advantage: zero``)
+    out of the step's log-probs and update: their advantage is exactly 0, so they carry no policy gradient
+    but cost compute and, under token-mean loss aggregation, dilute the others. Whole groups are dropped
+    (the kept groups' statistics are unchanged); metrics are computed before the drop, and ``mas/drop/*``
+    counts what was dropped. The update then takes fewer mini-batches of the size the whole batch's would have
+    had (:func:`verl_mas.minibatch.dropped_rows_steps`). A policy none of whose groups has signal keeps its rows
+    (a zero-advantage update, as without dropping)."""
     workflow: str | None = None
     """Workflow id for rows that do not name one (rows from ``python -m verl_mas.data`` always do)."""
     roles: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
@@ -95,6 +111,10 @@ class MasConfig(EpisodeSettings):
     writes them). 1 (default): every node commits its only sample, so verl's ``val-core/<source>/acc``
     is single-sample team success, comparable across sampling modes (training success under tree
     sampling includes best-of-K commits)."""
+    val_greedy: bool = True
+    """Validation also plays each task greedily (temperature 0, one candidate per node) and reports its team
+    success as ``acc_greedy`` (``val-aux/<source>/acc_greedy/mean@n``) next to the sampled ``val-core/<source>/acc``
+    (verl's ``val_kwargs``). Skipped when ``val_kwargs`` already decode greedily."""
     record: Mapping[str, Any] = field(default_factory=dict)
     """Episodes recorded for ``python -m verl_mas.view``: ``{dir: DIR, every_n_steps: N, episodes: M}`` (off
     unless ``dir`` is set; see :mod:`verl_mas.recording`)."""
@@ -118,8 +138,9 @@ class MasConfig(EpisodeSettings):
         poll = self.replay_poll_interval_s
         if isinstance(poll, bool) or not isinstance(poll, (int, float)) or not math.isfinite(poll) or poll <= 0:
             out.append(f"mas.replay_poll_interval_s is {self.replay_poll_interval_s!r}; it must be > 0 seconds.")
-        if not isinstance(self.check_group_prompts, bool):
-            out.append(f"mas.check_group_prompts is {self.check_group_prompts!r}; it must be true or false.")
+        for name in ("check_group_prompts", "drop_zero_variance", "val_greedy"):
+            if not isinstance(getattr(self, name), bool):
+                out.append(f"mas.{name} is {getattr(self, name)!r}; it must be true or false.")
         for name, value, allowed in (
             ("grouping", self.grouping, GROUPING_MODES),
             ("sampling", self.sampling, SAMPLINGS),

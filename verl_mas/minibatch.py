@@ -30,7 +30,9 @@ from typing import Any
 
 __all__ = [
     "actor_dp_size",
+    "ROWS_BEFORE_DROP_TAG",
     "batch_multiple_for",
+    "dropped_rows_steps",
     "log_prob_micro_batch_sizes",
     "mini_batch_settings",
     "optimizer_steps_for",
@@ -165,6 +167,7 @@ def ppo_mini_batch_size_for(
     dp_size: int,
     micro_batch_size_per_gpu: int | None,
     micro_batches_divisible_by: int = 1,
+    target_steps: int | None = None,
 ) -> int:
     """The ``actor.ppo_mini_batch_size`` to set for one update of ``rows`` (padded) rows.
 
@@ -199,6 +202,8 @@ def ppo_mini_batch_size_for(
         dp_size: the actor's data-parallel size (:func:`actor_dp_size`).
         micro_batch_size_per_gpu: ``actor.ppo_micro_batch_size_per_gpu``; ``None`` with ``actor.use_dynamic_bsz``.
         micro_batches_divisible_by: Megatron with a virtual pipeline: ``microbatch_group_size_per_vp_stage``; else 1.
+        target_steps: The step count to come nearest instead of ``S`` (:func:`dropped_rows_steps`: a batch that
+            lost rows to ``mas.drop_zero_variance`` takes fewer steps of the same size).
 
     Returns:
         The value for ``actor.ppo_mini_batch_size`` (>= 1); verl trains ``rows // (result * rollout_n)``
@@ -235,6 +240,8 @@ def ppo_mini_batch_size_for(
             "batch size and a virtual pipeline verl needs that many per mini-batch. " + fix
         )
     offered = [s for s in range(1, most + 1) if (rows // unit) % s == 0 and rows // s > padding_rows]
+    if target_steps is not None:
+        target = target_steps
     steps = min(offered, key=lambda s: (abs(s - target), s))
     return rows // steps // rollout_n
 
@@ -311,8 +318,30 @@ def required_batch_multiple(config: Any, *, dp_size: int, use_reference_policy: 
     )
 
 
+#: Tag the mas trainer gives the rows it keeps when ``mas.drop_zero_variance`` drops others: the policy's row
+#: count before the drop (:func:`dropped_rows_steps`).
+ROWS_BEFORE_DROP_TAG = "mas_rows_before_drop"
+
+
+def dropped_rows_steps(steps: int, kept_rows: int, rows_before_drop: int) -> int:
+    """Optimiser steps for a batch that kept ``kept_rows`` of ``rows_before_drop`` rows: ``ceil(steps * kept /
+    before)``, at least 1.
+
+    Dropping rows removes optimiser steps, not rows per step: each mini-batch holds as many rows as stock
+    verl's would have held for the whole batch. Keeping ``steps`` steps instead would split a handful of rows
+    (at convergence, when nearly every group is flat) into ``steps`` tiny mini-batches, each an Adam step of
+    full size on a few samples: measured, that undoes a learnt relay team within 10 steps.
+    """
+    if kept_rows < 1 or rows_before_drop < kept_rows:
+        raise ValueError(f"kept {kept_rows} of {rows_before_drop} rows: kept must be in 1..before")
+    return max(1, -(-steps * kept_rows // rows_before_drop))
+
+
 def update_mini_batch_size(config: Any, batch: Any, *, dp_size: int) -> int:
     """The ``actor.ppo_mini_batch_size`` the mas trainer sets around verl's ``_update_actor`` for ``batch``.
+
+    Rows the trainer kept out of a larger batch (``mas.drop_zero_variance``: tagged with
+    :data:`ROWS_BEFORE_DROP_TAG`) take :func:`dropped_rows_steps` steps instead of stock verl's ``S``.
 
     Args:
         config: The (policy's) trainer config, with the configured ``actor.ppo_mini_batch_size``.
@@ -320,4 +349,11 @@ def update_mini_batch_size(config: Any, batch: Any, *, dp_size: int) -> int:
         dp_size: The actor's data-parallel size (:func:`actor_dp_size`).
     """
     padding = sum(bool(tag.get("is_padding", False)) for tag in batch.tags)
-    return ppo_mini_batch_size_for(len(batch.keys), padding_rows=padding, **mini_batch_settings(config, dp_size=dp_size))
+    settings = mini_batch_settings(config, dp_size=dp_size)
+    before = {tag[ROWS_BEFORE_DROP_TAG] for tag in batch.tags
+              if not tag.get("is_padding", False) and ROWS_BEFORE_DROP_TAG in tag}
+    target = None
+    if before:
+        steps = optimizer_steps_for(settings["train_batch_size"], settings["ppo_mini_batch_size"])
+        target = dropped_rows_steps(steps, len(batch.keys) - padding, max(before))
+    return ppo_mini_batch_size_for(len(batch.keys), padding_rows=padding, target_steps=target, **settings)

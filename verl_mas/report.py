@@ -1,4 +1,10 @@
-"""Summarise a training run: a per-role table of the ``mas/*`` metrics and a PNG of reward and success per step.
+"""Summarise a training run: held-out team success, a per-role table of the ``mas/*`` metrics and a PNG per step.
+
+The table opens with held-out team success, first and last validation: verl's validation on the test split
+(``trainer.val_before_train`` / ``trainer.test_freq``), one candidate per node (``mas.val_branching=1``),
+greedy (``val-aux/<source>/acc_greedy``, ``mas.val_greedy``) and sampled with ``val_kwargs``
+(``val-core/<source>/acc``). Training success (``mas/success_rate``) follows it: those episodes commit the best
+of K candidates at every node, so it is above what one sample achieves.
 
 Reads the JSON-lines file verl's ``file`` logger writes (``trainer.logger=[console,file]`` with
 ``VERL_FILE_LOGGER_PATH``)::
@@ -18,9 +24,11 @@ import re
 from collections.abc import Sequence
 from pathlib import Path
 
-__all__ = ["load_metrics", "main", "plot", "role_table"]
+__all__ = ["held_out", "held_out_table", "load_metrics", "main", "plot", "role_table"]
 
 _ROLE_REWARD = re.compile(r"^mas/([^/]+)/reward/mean$")
+#: verl's validation metrics of the mas agent loop's team success: acc (sampled, val_kwargs) and acc_greedy.
+_HELD_OUT = re.compile(r"^val-(?:core|aux)/(?P<source>[^/]+)/(?P<var>acc|acc_greedy)/mean@(?P<n>\d+)$")
 
 
 def load_metrics(path: str | Path) -> list[dict[str, float]]:
@@ -44,18 +52,55 @@ def roles_of(rows: list[dict[str, float]]) -> list[str]:
     return sorted({m.group(1) for row in rows for key in row if (m := _ROLE_REWARD.match(key))})
 
 
+def held_out(rows: list[dict[str, float]]) -> dict[str, list[tuple[float, float]]]:
+    """Held-out team success per series (``"<source> greedy"``, ``"<source> sampled (mean@n)"``): ``(step, value)``
+    at every validation, in step order; greedy series first."""
+    series: dict[tuple[int, str], list[tuple[float, float]]] = {}
+    for row in rows:
+        for key, value in row.items():
+            m = _HELD_OUT.match(key)
+            if m is None or not isinstance(value, (int, float)) or not math.isfinite(value):
+                continue
+            greedy = m["var"] == "acc_greedy"
+            label = f"{m['source']} greedy" if greedy else f"{m['source']} sampled (mean@{m['n']})"
+            series.setdefault((0 if greedy else 1, label), []).append((row["step"], float(value)))
+    return {label: points for (_, label), points in sorted(series.items())}
+
+
+def held_out_table(rows: list[dict[str, float]]) -> str:
+    """Held-out team success, first and last validation of the run (or why there is none)."""
+    series = held_out(rows)
+    if not series:
+        return ("held-out team success: none logged (the run validated nothing: set trainer.val_before_train=true "
+                "and trainer.test_freq=N with data.val_files on the test split)")
+    lines = ["held-out team success (validation on the test split, one candidate per node)",
+             f"{'series':<34} {'first':>8} {'last':>8} {'change':>8}  steps"]
+    for label, points in series.items():
+        (s0, v0), (s1, v1) = points[0], points[-1]
+        lines.append(f"{label:<34} {v0:>8.3f} {v1:>8.3f} {v1 - v0:>+8.3f}  {s0:g} -> {s1:g}")
+    return "\n".join(lines)
+
+
 def role_table(rows: list[dict[str, float]], window: int = 10) -> str:
-    """A plain-text table: each metric's mean over the first and the last ``window`` steps."""
+    """A plain-text table: held-out success (:func:`held_out_table`), then each training metric's mean over the
+    first and the last ``window`` training steps."""
+    held = held_out_table(rows)
+    rows = [r for r in rows if any(k.startswith("mas/") for k in r)]  # training steps (step 0: validation only)
+    if not rows:
+        return held + "\n(no training steps logged)"
     window = max(1, min(window, len(rows) // 2 or 1))
     first, last = rows[:window], rows[-window:]
     lines = [
-        f"{len(rows)} steps; means over the first and last {window} steps",
+        held,
+        "",
+        f"training ({len(rows)} steps; means over the first and last {window} steps; training episodes commit the "
+        "best of K at every node)",
         f"{'metric':<34} {'first':>8} {'last':>8} {'change':>8}",
     ]
     keys = ["mas/success_rate"]
     for role in roles_of(rows):
         keys += [f"mas/{role}/reward/mean", f"mas/{role}/turns", f"mas/{role}/parse_failures"]
-    keys += ["mas/num_turns", "mas/group/zero_std_frac", "mas/infra_failures", "actor/grad_norm",
+    keys += ["mas/num_turns", "mas/group/zero_std_frac", "mas/drop/row_frac", "mas/infra_failures", "actor/grad_norm",
              "training/rollout_probs_diff_mean", "timing_s/step"]
     for key in keys:
         if not any(key in row for row in rows):
@@ -70,24 +115,29 @@ def _smooth(values: list[float], k: int) -> list[float]:
 
 
 def plot(rows: list[dict[str, float]], out: str | Path, smooth: int = 5) -> Path:
-    """Write a PNG: per-role mean reward and team success rate per step (raw and a moving average)."""
+    """Write a PNG: per-role mean reward per step, and team success: training (raw and a moving average) with
+    held-out greedy and sampled success at every validation."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    steps = [r["step"] for r in rows]
+    train = [r for r in rows if any(k.startswith("mas/") for k in r)]  # training steps (not step 0's validation)
+    steps = [r["step"] for r in train]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for role in roles_of(rows):
-        values = [r.get(f"mas/{role}/reward/mean", float("nan")) for r in rows]
+    for role in roles_of(train):
+        values = [r.get(f"mas/{role}/reward/mean", float("nan")) for r in train]
         (line,) = axes[0].plot(steps, values, alpha=0.3)
         axes[0].plot(steps, _smooth(values, smooth), color=line.get_color(), label=role)
     axes[0].set(title="reward per role", xlabel="training step", ylabel="mean candidate reward")
     axes[0].legend()
-    success = [r.get("mas/success_rate", float("nan")) for r in rows]
+    success = [r.get("mas/success_rate", float("nan")) for r in train]
     axes[1].plot(steps, success, alpha=0.3, color="tab:green")
-    axes[1].plot(steps, _smooth(success, smooth), color="tab:green", label=f"moving average ({smooth} steps)")
-    axes[1].set(title="team success rate", xlabel="training step", ylabel="mas/success_rate", ylim=(0, 1.05))
+    axes[1].plot(steps, _smooth(success, smooth), color="tab:green",
+                 label=f"training, best of K per node ({smooth}-step average)")
+    for (label, points), style in zip(held_out(rows).items(), ("o-", "s--", "^-", "v--"), strict=False):
+        axes[1].plot([p[0] for p in points], [p[1] for p in points], style, label=f"held-out {label}")
+    axes[1].set(title="team success", xlabel="training step", ylabel="success rate", ylim=(0, 1.05))
     axes[1].legend()
     fig.tight_layout()
     out_path = Path(out)

@@ -32,6 +32,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "CHAT_TEMPLATE",
+    "COMPACT_CHAT_TEMPLATE",
     "SPECIAL_TOKENS",
     "build_model",
     "build_tokenizer",
@@ -48,6 +49,13 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
+
+#: The chat layout of a task-tailored tokenizer: each message's content on a line of its own, no role markers.
+#: A tiny model trained from scratch on one task needs no chat structure, and every prompt position it must
+#: learn to attend past slows learning: relay-v0's prompts are 3 tokens instead of ChatML's 10, and its
+#: quickstart learns the task in about half the steps (``bench/bench_relay_learnability.py --chat chatml``).
+#: The answer's position follows a newline, never the prompt's last word, so a random model does not copy it.
+COMPACT_CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] + '\n' }}{% endfor %}"
 
 
 def _default_corpus() -> list[str]:
@@ -91,8 +99,10 @@ def _qwen2_pre_tokenizer():  # the pre-tokenizer Qwen2Tokenizer rebuilds on load
     )
 
 
-def build_tokenizer(vocab: Sequence[str] | None = None, vocab_size: int = 512) -> PreTrainedTokenizerFast:
-    """Build a Qwen2 byte-level BPE tokenizer with a ChatML chat template, deterministically.
+def build_tokenizer(
+    vocab: Sequence[str] | None = None, vocab_size: int = 512, chat_template: str | None = None
+) -> PreTrainedTokenizerFast:
+    """Build a Qwen2 byte-level BPE tokenizer with a chat template, deterministically.
 
     transformers 5 always loads the tokenizer of a ``qwen2`` model as ``Qwen2Tokenizer`` (its vocab and
     merges with Qwen's own pre-tokenizer), so the BPE is trained with exactly that pre-tokenizer: the
@@ -104,6 +114,8 @@ def build_tokenizer(vocab: Sequence[str] | None = None, vocab_size: int = 512) -
             without a leading space, is a single token: a vocabulary of a few dozen tokens in which
             valid actions are not drowned out. Text using other characters loses them.
         vocab_size: Target size of the general-purpose vocabulary (ignored with ``vocab``).
+        chat_template: The chat template; default :data:`CHAT_TEMPLATE` (ChatML), or with ``vocab``
+            :data:`COMPACT_CHAT_TEMPLATE` (each message's content on its own line).
 
     Returns:
         A ``Qwen2Tokenizer`` with ``eos_token="<|im_end|>"``, ``pad_token="<|endoftext|>"`` and a chat
@@ -121,13 +133,15 @@ def build_tokenizer(vocab: Sequence[str] | None = None, vocab_size: int = 512) -
                 f"{SPECIAL_TOKENS}. A tailored vocabulary holds single words; split them or drop them."
             )
         # Every word alone, after a space and after a newline; plus what the chat template writes.
-        base = [*words, "system", "user", "assistant", "\n"]
+        template = COMPACT_CHAT_TEMPLATE if chat_template is None else chat_template
+        base = [*words, *(w for w in ("system", "user", "assistant") if w in template), "\n"]
         corpus = [f"{w} {w}\n{w}" for w in base]
         alphabet = sorted(set("".join(corpus)))
         mapped = pre_tokenizers.ByteLevel(use_regex=False).pre_tokenize_str("".join(alphabet))
         initial_alphabet = sorted({c for piece, _ in mapped for c in piece})  # the byte-level symbols
         target = len(SPECIAL_TOKENS) + 4 * sum(len(w) + 2 for w in base)  # room to merge every word fully
     else:
+        template = CHAT_TEMPLATE if chat_template is None else chat_template
         corpus = _default_corpus()
         target = vocab_size
         initial_alphabet = pre_tokenizers.ByteLevel.alphabet()
@@ -155,7 +169,7 @@ def build_tokenizer(vocab: Sequence[str] | None = None, vocab_size: int = 512) -
         extra_special_tokens=["<|im_start|>"],
         clean_up_tokenization_spaces=False,
     )
-    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.chat_template = template
     return tokenizer
 
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import math
 import sys
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -46,9 +46,10 @@ from verl_mas.advantage.groups import (
     group_invariant_problems,
     group_key,
     group_stats,
+    signal_rows,
 )
 from verl_mas.config import MasConfig
-from verl_mas.minibatch import actor_dp_size, required_batch_multiple, update_mini_batch_size
+from verl_mas.minibatch import ROWS_BEFORE_DROP_TAG, actor_dp_size, required_batch_multiple, update_mini_batch_size
 from verl_mas.policies.stacks import MultiPolicyTrainer
 from verl_mas.rows import CandidateRow, rows_from_verl
 from verl_mas.startup import check_run_config, prepare_verl_config
@@ -108,14 +109,47 @@ class MasTrainer(MultiPolicyTrainer, PPOTrainerSync):
             with open_dict(self.config):
                 actor.ppo_mini_batch_size = configured
 
-    def _compute_advantage(self, batch: Any, metrics: dict) -> Any:
-        data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=list(_FIELDS))
+    def _balance_batch(self, batch: Any, metrics: dict, logging_prefix: str = "global_seqlen",
+                       keep_minibatch: bool = False) -> Any:
+        """The step's ``mas/*`` metrics over the whole rollout, then (``mas.drop_zero_variance``) the rows
+        without signal leave the batch, before verl pads, balances and computes any log-prob.
+
+        This is the first hook of verl's step after the rollout (and the colocated reward) with every row in
+        hand; metrics are computed here so that they describe every episode whether or not rows are dropped.
+        """
+        _, rows, episodes, padding, groups = self._batch_groups(batch, ("uid", "extra_fields"))
+        batch_keys = list(batch.keys)
+        sampled = self._sampled.get("train")
+        expected = None if sampled is None else len(sampled.uids) * int(self.config.actor_rollout_ref.rollout.n)
+        metrics.update(mas_metrics(rows, groups, padding, episodes, expected_episodes=expected))
+        dropped, drop_metrics = rows_to_drop(groups, padding, self.mas, policies=[r.policy for r in rows])
+        metrics.update(drop_metrics)
+        if dropped.any():  # cleared at once: verl clears only the keys of the batch it ends the step with
+            tq.kv_clear(keys=[k for k, d in zip(batch.keys, dropped, strict=True) if d], partition_id=batch.partition_id)
+            before = Counter(r.policy for r, pad in zip(rows, padding, strict=True) if not pad)
+            batch = batch.select_keys([k for k, d in zip(batch.keys, dropped, strict=True) if not d])
+            # The update takes fewer mini-batches of the size it would have had (verl_mas.minibatch.dropped_rows_steps);
+            # each kept row carries its policy's row count before the drop (verl's padding copies a real row's tags).
+            kept = {k: r for k, r, d in zip(batch_keys, rows, dropped, strict=True) if not d}
+            for key, tag in zip(batch.keys, batch.tags, strict=True):
+                tag[ROWS_BEFORE_DROP_TAG] = before[kept[key].policy]
+        return super()._balance_batch(batch, metrics, logging_prefix=logging_prefix, keep_minibatch=keep_minibatch)
+
+    def _batch_groups(self, batch: Any, fields: Sequence[str]) -> tuple[Any, list[CandidateRow], list[str], np.ndarray,
+                                                                          GroupAssignment]:
+        """The batch's ``fields`` from TransferQueue (``uid`` and ``extra_fields`` among them), its rows, each row's
+        episode, its padding mask and its checked AT-GRPO groups."""
+        data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=list(fields))
         rows = rows_from_verl(data["extra_fields"])
         uids = [str(u) for u in _as_list(data["uid"])]
         episodes = [session_of(key) for key in batch.keys]
-        response_mask = data["response_mask"]
         padding = np.array([bool(tag.get("is_padding", False)) for tag in batch.tags])
-        groups = assign_groups(rows, uids, padding, self.mas, episodes=episodes)
+        return data, rows, episodes, padding, assign_groups(rows, uids, padding, self.mas, episodes=episodes)
+
+    def _compute_advantage(self, batch: Any, metrics: dict) -> Any:
+        data, _, _, _, groups = self._batch_groups(batch, _FIELDS)
+        uids = [str(u) for u in _as_list(data["uid"])]
+        response_mask = data["response_mask"]
         keys, rewards = groups.keys, groups.rewards
 
         # Token-level scores: each row's own reward on its last response token.
@@ -137,10 +171,6 @@ class MasTrainer(MultiPolicyTrainer, PPOTrainerSync):
         finally:
             restore = TensorDict({"uid": NonTensorStack(*uids)}, batch_size=len(uids))
             tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id, fields=restore)
-
-        sampled = self._sampled.get("train")
-        expected = None if sampled is None else len(sampled.uids) * int(self.config.actor_rollout_ref.rollout.n)
-        metrics.update(mas_metrics(rows, groups, padding, episodes, expected_episodes=expected))
         return batch
 
 
@@ -183,6 +213,44 @@ def tune_replay_buffer(buffer: Any, mas: MasConfig, sampled: dict[str, SampledPr
         return materialize(partition_id, selected_prompt_uids, partition_snapshot)
 
     buffer._materialize_batch = recording
+
+
+def rows_to_drop(groups: GroupAssignment, padding: np.ndarray, mas: MasConfig,
+                 policies: Sequence[str] | None = None) -> tuple[np.ndarray, dict[str, float]]:
+    """``mas.drop_zero_variance``: the ``(bs,)`` mask of rows to leave out of the update, and ``mas/drop/*`` metrics.
+
+    The rows of groups whose advantage is 0 for every member (:func:`verl_mas.advantage.groups.signal_rows`;
+    whole groups, so every kept group's baseline is unchanged). A policy none of whose groups has signal keeps
+    all its rows (``mas/drop/no_signal`` counts such policies): verl's step needs rows for every policy it
+    updates, and a zero-advantage update is what its step would have been without dropping. With the setting
+    off: nothing, and no metrics.
+
+    Args:
+        policies: Each row's policy (default: one policy).
+    """
+    if not mas.drop_zero_variance:
+        return np.zeros(len(padding), dtype=bool), {}
+    real = ~padding
+    members = None
+    if mas.grouping == "trajectory":  # a member is an episode, whose rows share its outcome
+        members = [key.rpartition(MEMBER_SEP)[2] if MEMBER_SEP in key else key for key in groups.keys]
+    keep = signal_rows(groups.ids, groups.rewards, members=members,
+                       keep_singletons=mas.singleton_advantage == "raw") | padding
+    dropped = real & ~keep
+    owners = np.array(["" for _ in padding] if policies is None else list(policies), dtype=object)
+    no_signal = 0
+    for policy in sorted(set(owners[real].tolist())):
+        mine = real & (owners == policy)
+        if not (keep & mine).any():  # nothing of this policy has signal: it keeps its rows
+            dropped &= ~mine
+            no_signal += 1
+    return dropped, {
+        "mas/drop/rows": float(dropped.sum()),
+        "mas/drop/groups": float(len(set(groups.ids[dropped].tolist()))),
+        "mas/drop/row_frac": float(dropped.sum() / max(1, int(real.sum()))),
+        "mas/drop/rows_kept": float((real & ~dropped).sum()),
+        "mas/drop/no_signal": float(no_signal),
+    }
 
 
 def session_of(key: str) -> str:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # AT-GRPO on CPU through verl's main_ppo (see at_grpo_cpu.yaml).
-# Usage: [WORKFLOW=relay-v0] [TRAIN_TASKS=64 TEST_TASKS=16] bash recipes/at_grpo_cpu/run.sh [hydra overrides...]
+# Usage: [WORKFLOW=relay-v0] [TRAIN_TASKS=64 TEST_TASKS=16] [MODEL_SEED=0] bash recipes/at_grpo_cpu/run.sh [hydra overrides...]
 # Outputs go to $VERL_MAS_RUN_DIR (default: ./runs/at_grpo_cpu): model, data, metrics.jsonl, checkpoints, hydra logs.
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -13,7 +13,7 @@ VOCAB=()
 if "$PYTHON" -c "import sys; from verl_mas.registry import get_workflow; sys.exit(0 if getattr(get_workflow('$WORKFLOW'), 'vocabulary', None) else 1)"; then
   VOCAB=(--vocab-from "$WORKFLOW")
 fi
-[ -f "$RUN_DIR/model/config.json" ] || "$PYTHON" -m verl_mas.tiny --out "$RUN_DIR/model" "${VOCAB[@]}"
+[ -f "$RUN_DIR/model/config.json" ] || "$PYTHON" -m verl_mas.tiny --out "$RUN_DIR/model" --seed "${MODEL_SEED:-0}" "${VOCAB[@]}"
 [ -f "$RUN_DIR/data/train.parquet" ] || "$PYTHON" -m verl_mas.data "$WORKFLOW" --out "$RUN_DIR/data" --train "${TRAIN_TASKS:-64}" --test "${TEST_TASKS:-16}" --seed 0
 
 export VERL_PLATFORM=cpu

@@ -27,6 +27,7 @@ __all__ = [
     "group_key",
     "group_stats",
     "prompt_mismatches",
+    "signal_rows",
 ]
 
 #: Grouping modes: AT-GRPO's (task, role, turn); role only; classic GRPO over whole episodes.
@@ -118,21 +119,27 @@ class GroupStats:
         }
 
 
+def _size_and_flat(ids: np.ndarray, scores: np.ndarray, atol: float) -> tuple[np.ndarray, np.ndarray]:
+    """Per dense group id: its member count, and whether its scores are all equal (within ``atol``)."""
+    n = int(ids.max()) + 1
+    size = np.bincount(ids, minlength=n)
+    hi = np.full(n, -np.inf)
+    lo = np.full(n, np.inf)
+    np.maximum.at(hi, ids, scores)
+    np.minimum.at(lo, ids, scores)
+    return size, hi - lo <= atol
+
+
 def group_stats(ids: np.ndarray, scores: np.ndarray, atol: float = 1e-8) -> GroupStats:
     """Group counts, mean size, singleton and zero-variance fractions for dense ``ids``."""
     ids = np.asarray(ids, dtype=np.int64)
     scores = np.asarray(scores, dtype=np.float64)
     if ids.size == 0:
         return GroupStats(0, 0.0, 0.0, 0.0)
-    n = int(ids.max()) + 1
-    size = np.bincount(ids, minlength=n)
+    size, flat = _size_and_flat(ids, scores, atol)
     present = size > 0
-    hi = np.full(n, -np.inf)
-    lo = np.full(n, np.inf)
-    np.maximum.at(hi, ids, scores)
-    np.minimum.at(lo, ids, scores)
     multi = size > 1
-    zero_std = multi & (hi - lo <= atol)
+    zero_std = multi & flat
     groups = int(present.sum())
     return GroupStats(
         num_groups=groups,
@@ -140,6 +147,42 @@ def group_stats(ids: np.ndarray, scores: np.ndarray, atol: float = 1e-8) -> Grou
         singleton_frac=float((size == 1).sum() / groups),
         zero_std_frac=float(zero_std.sum() / max(1, int(multi.sum()))),
     )
+
+
+def signal_rows(
+    ids: np.ndarray,
+    scores: np.ndarray,
+    *,
+    members: Sequence[object] | None = None,
+    keep_singletons: bool = False,
+    atol: float = 1e-8,
+) -> np.ndarray:
+    """``(bs,)`` bool: the rows whose group-normalised advantage can be non-zero.
+
+    A group whose scores are all equal (within ``atol``, as :func:`group_stats` counts ``zero_std_frac``) gives
+    every member advantage exactly 0, and so does a one-member group unless ``keep_singletons`` (the estimator's
+    ``singleton_advantage: raw`` gives it its score). Such rows carry no policy gradient; the others are kept
+    with their whole group, so each kept group's mean and std are those of the full batch.
+
+    Args:
+        ids: ``(bs,)`` dense group ids.
+        scores: ``(bs,)`` each row's score.
+        members: Each row's member of its group (``grouping: trajectory``: its episode, whose rows share one
+            outcome); default: every row is a member of its own.
+        keep_singletons: Keep one-member groups (``singleton_advantage: raw``).
+    """
+    ids = np.asarray(ids, dtype=np.int64)
+    scores = np.asarray(scores, dtype=np.float64)
+    if ids.size == 0:
+        return np.zeros(0, dtype=bool)
+    size, flat = _size_and_flat(ids, scores, atol)
+    if members is not None:  # members per group, not rows
+        pairs = {(int(g), m) for g, m in zip(ids, members, strict=True)}
+        size = np.bincount(np.fromiter((g for g, _ in pairs), dtype=np.int64, count=len(pairs)), minlength=size.size)
+    keep = (size > 1) & ~flat
+    if keep_singletons:
+        keep |= size == 1
+    return keep[ids]
 
 
 def prompt_mismatches(ids: np.ndarray, prompt_hashes: Sequence[object] | np.ndarray, limit: int = 5) -> list[int]:

@@ -9,8 +9,9 @@ The task is a message of :data:`MESSAGE_LENGTH` action words. Each turn, the **c
 word still to deliver and names a word; the **runner** sees only the word the caller committed (never
 the message) and names a word. The word is delivered when the runner names it; the episode terminates
 when the whole message is delivered, and is truncated after ``max_turns`` turns (default 4, so one
-turn may be missed). Each prompt is one short user message (``"caller red"``, ``"runner red"``): about
-ten tokens with the tailored tokenizer.
+turn may be missed). Each prompt is one short user message (``"caller red"``, ``"runner red"``): three
+tokens with the tailored tokenizer (its compact chat layout, ``verl_mas.tiny.COMPACT_CHAT_TEMPLATE``: the
+words and a newline).
 """
 
 from __future__ import annotations
