@@ -59,7 +59,7 @@ def test_per_role_models_of_different_sizes_train_route_sync_save_and_resume(tmp
     from verl_mas.tiny import write_tiny
 
     run_dir = tmp_path / "run"
-    # The caller gets the recipe's tiny model (hidden 64, 2 layers, the relay's word-level vocabulary of 100
+    # The caller gets the recipe's tiny model (hidden 64, 2 layers, the relay's word-level vocabulary of 82
     # tokens); the runner a larger one of another family (hidden 128, 3 layers, byte-level BPE, 512 tokens):
     # each policy renders, samples and trains on its own tokenizer's ids.
     runner_model = write_tiny(tmp_path / "runner_model", hidden_size=128, num_hidden_layers=3, seed=7)

@@ -200,7 +200,7 @@ def test_two_models_of_different_sizes_as_two_roles_on_vllm_route_sync_and_train
     import torch
 
     # Another size and another family: the runner's model has a byte-level BPE vocabulary (512 tokens), the
-    # caller's the relay's word-level one (100 tokens).
+    # caller's the relay's word-level one (82 tokens).
     runner_model = _tiny(tmp_path / "runner_model", "--hidden-size", "256", "--layers", "3", "--seed", "7")
     run_dir, _ = _two_policy_run(recipe_runs, tmp_path, "vllm-policies", "mas_policies=per_role_models",
                                  f"mas.policies.runner.model.path={runner_model}", syncs_at_step_1=2.0, gap=1e-6)
