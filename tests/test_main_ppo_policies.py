@@ -59,10 +59,17 @@ def test_per_role_models_of_different_sizes_train_route_sync_save_and_resume(tmp
     from verl_mas.tiny import write_tiny
 
     run_dir = tmp_path / "run"
-    # The caller gets the recipe's tiny model (hidden 64, 2 layers, the relay's word-level vocabulary of 82
+    # The caller gets the recipe's tiny model (hidden 64, 2 layers, the relay's word-level vocabulary, 100
     # tokens); the runner a larger one of another family (hidden 128, 3 layers, byte-level BPE, 512 tokens):
     # each policy renders, samples and trains on its own tokenizer's ids.
     runner_model = write_tiny(tmp_path / "runner_model", hidden_size=128, num_hidden_layers=3, seed=7)
+    # The caller's model as run.sh writes it, but with ChatML prompts (10 tokens): after 2 steps from random
+    # weights the compact layout's 3-token prompts leave near-tied greedy logits, and the exact comparison of
+    # validation outputs across the resume below would hinge on float noise of the batch shape.
+    from verl_mas.tiny import CHAT_TEMPLATE
+    from verl_mas.workflows.relay import RelayWorkflow
+
+    write_tiny(run_dir / "model", vocab=list(RelayWorkflow.vocabulary), chat_template=CHAT_TEMPLATE)
     policies = ["mas_policies=per_role_models", f"mas.policies.runner.model.path={runner_model}",
                 "+mas.policies.runner.actor={optim: {weight_decay: 0.0}}"]
     metrics = _run(run_dir, recipe_runs.relay_shape, *policies, "trainer.total_training_steps=2", "trainer.save_freq=2", SAVE_HF,

@@ -231,6 +231,8 @@ class MasAgentLoop(AgentLoopBase):
         for name, arr in self.policy_configs.items():
             source = arr.rollout.val_kwargs if validate else arr.rollout
             out[name] = {k: source[k] for k in ("temperature", "top_p", "top_k") if k in source}
+            if validate and not source.get("do_sample", False):  # verl: val_kwargs.do_sample=false decodes greedily
+                apply_greedy_sampling_params(out[name])
         return out
 
     async def run(self, sampling_params: dict[str, Any], **kwargs: Any) -> list[AgentLoopOutput]:

@@ -221,15 +221,17 @@ def write_tiny(
     *,
     vocab: Sequence[str] | None = None,
     seed: int = 0,
+    chat_template: str | None = None,
     **model_kwargs: int,
 ) -> Path:
     """Write a tiny model and its tokenizer to ``out`` (a directory ``from_pretrained`` can load).
 
+    ``chat_template``: as :func:`build_tokenizer` (default: ChatML, or the compact layout with ``vocab``).
     Returns the output directory. Identical arguments give byte-identical files.
     """
     out_dir = Path(out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer(vocab)
+    tokenizer = build_tokenizer(vocab, chat_template=chat_template)
     model = build_model(tokenizer, seed=seed, **model_kwargs)
     model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
