@@ -16,7 +16,7 @@ for separate models on shared GPUs): there, per-policy work is kernel-bound and 
 memory and context switches matter, not Python and process overheads.
 
 Usage (about 3-4 minutes per run on 2 cores):
-    python bench/bench_policies.py --steps 6 [--configs shared per_role_models per_role_lora]
+    python bench/bench_policies.py --steps 6 [--configs shared per_role_models per_role_lora per_role_lora_stacks]
 """
 
 from __future__ import annotations
@@ -36,7 +36,9 @@ RECIPE = REPO / "recipes" / "at_grpo_cpu" / "run.sh"
 CONFIGS = {
     "shared": ["mas_policies=shared"],
     "per_role_models": ["mas_policies=per_role_models"],
-    "per_role_lora": ["mas_policies=per_role_lora"],
+    "per_role_lora": ["mas_policies=per_role_lora"],  # one resident base, an adapter per role (mas.lora_base=shared)
+    "per_role_lora_stacks": ["mas_policies=per_role_lora", "mas.lora_base=per_policy",  # a stack per adapter
+                             "mas.policies.caller.model.lora.merge=true", "mas.policies.runner.model.lora.merge=true"],
 }
 
 

@@ -23,6 +23,9 @@ API creates no run directory, and no Ray is started).
 from __future__ import annotations
 
 import json
+import os
+import socket
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -71,6 +74,138 @@ def actor_overrides(model_path: str, use_remove_padding: bool) -> list[str]:
     ]
 
 
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def run_scenario(helper: Path, workdir: Path, timeout_s: float = 900.0) -> dict[str, Any]:
+    """Run a scenario script (this one, or one built on it) in a child interpreter with ``VERL_PLATFORM=cpu``
+    and a one-rank torchrun-style environment (cwd ``workdir``); return the JSON it wrote."""
+    env = dict(os.environ)
+    env.update(
+        VERL_PLATFORM="cpu",
+        RANK="0",
+        WORLD_SIZE="1",
+        LOCAL_RANK="0",
+        LOCAL_WORLD_SIZE="1",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(_free_port()),
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        TOKENIZERS_PARALLELISM="false",
+        PYTHONDONTWRITEBYTECODE="1",  # the helpers live in the checkout: no __pycache__ there
+    )
+    proc = subprocess.run(
+        [sys.executable, str(helper), str(workdir)],
+        cwd=workdir,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
+    result_file = workdir / "result.json"
+    if proc.returncode != 0 or not result_file.exists():
+        raise RuntimeError(
+            f"the scenario {helper.name} exited with code {proc.returncode}; its output ends "
+            f"with:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+        )
+    return json.loads(result_file.read_text())
+
+
+class FixedBatch:
+    """The scenarios' batch: ``len(PROMPT_LENS)`` random sequences in verl's left/right-padded layout (prompts
+    left-padded, responses right-padded), turned into verl's no-padding TensorDicts as verl's trainer does."""
+
+    def __init__(self, vocab_size: int, seed: int = 1234) -> None:
+        import torch
+
+        gen = torch.Generator().manual_seed(seed)
+        bs, max_p, max_r = len(PROMPT_LENS), max(PROMPT_LENS), max(RESPONSE_LENS)
+        self.prompts = torch.zeros(bs, max_p, dtype=torch.long)  # pad id 0
+        self.responses = torch.zeros(bs, max_r, dtype=torch.long)
+        prompt_mask = torch.zeros(bs, max_p, dtype=torch.long)
+        self.response_mask = torch.zeros(bs, max_r, dtype=torch.long)
+        self.sequences: list[tuple[Any, Any]] = []
+        for i, (pl, rl) in enumerate(zip(PROMPT_LENS, RESPONSE_LENS, strict=True)):
+            p = torch.randint(3, vocab_size, (pl,), generator=gen)  # ids 0-2 are special tokens
+            r = torch.randint(3, vocab_size, (rl,), generator=gen)
+            self.prompts[i, max_p - pl :], prompt_mask[i, max_p - pl :] = p, 1
+            self.responses[i, :rl], self.response_mask[i, :rl] = r, 1
+            self.sequences.append((p, r))
+        self.attention_mask = torch.cat([prompt_mask, self.response_mask], dim=1)
+        self.position_ids = (self.attention_mask.cumsum(dim=1) - 1).clamp(min=0)
+        self.size, self.max_response = bs, max_r
+
+    def make(self, **fields: Any) -> Any:
+        import torch
+        from verl.utils import tensordict_utils as tu
+        from verl.workers.utils.padding import left_right_2_no_padding
+
+        td = tu.get_tensordict(
+            {
+                "prompts": self.prompts,
+                "responses": self.responses,
+                "input_ids": torch.cat([self.prompts, self.responses], dim=1),
+                "attention_mask": self.attention_mask,
+                "position_ids": self.position_ids,
+                "response_mask": self.response_mask.clone(),
+                **fields,
+            }
+        )
+        return left_right_2_no_padding(td)
+
+    def verl_log_probs(self, worker: Any, temperature: float = 1.0, **meta: Any) -> Any:
+        """(bs, max response length) log-probs from ``worker.compute_log_prob``, zero at padding."""
+        from verl.utils import tensordict_utils as tu
+        from verl.workers.utils.padding import no_padding_2_padding
+
+        td = self.make()
+        tu.assign_non_tensor(td, calculate_entropy=True, compute_loss=False, temperature=temperature, **meta)
+        out = worker.compute_log_prob(td)
+        return no_padding_2_padding(tu.get(out, "log_probs"), td).float() * self.response_mask
+
+    def hf_log_probs(self, model: Any, temperature: float = 1.0) -> Any:
+        """The same log-probs from a plain transformers (or peft) model, one unpadded sequence at a time."""
+        import torch
+
+        ref = torch.zeros(self.size, self.max_response)
+        with torch.no_grad():
+            for i, (p, r) in enumerate(self.sequences):
+                logits = model(input_ids=torch.cat([p, r])[None]).logits[0].float()  # (pl + rl, vocab)
+                # logits at position t predict token t + 1: response token j is predicted at pl - 1 + j
+                logp = torch.log_softmax(logits[len(p) - 1 : len(p) + len(r) - 1] / temperature, dim=-1)
+                ref[i, : len(r)] = logp.gather(-1, r[:, None])[:, 0]
+        return ref
+
+    def update(self, worker: Any, per_seq_advantage: tuple[float, ...]) -> tuple[Any, Any, dict[str, Any]]:
+        """One PPO update through ``worker.update_actor`` with pi_old = the current policy, as verl's trainer
+        computes it; returns (log-probs before, after, verl's metrics)."""
+        import torch
+        from verl.utils import tensordict_utils as tu
+
+        old = self.verl_log_probs(worker)
+        advantages = torch.tensor(per_seq_advantage)[:, None] * self.response_mask  # (bs, max_r), GRPO-style
+        td = self.make(old_log_probs=old, advantages=advantages)
+        # The keys verl's trainer attaches before update_actor (ray_trainer._update_actor).
+        tu.assign_non_tensor(
+            td,
+            calculate_entropy=False,
+            distillation_use_topk=False,
+            distillation_only=False,
+            global_batch_size=self.size,
+            mini_batch_size=self.size,
+            epochs=1,
+            seed=42,
+            dataloader_kwargs={"shuffle": False},
+            compute_loss=True,
+            temperature=1.0,
+        )
+        metrics = tu.get(worker.update_actor(td), "metrics")
+        return old, self.verl_log_probs(worker), metrics
+
+
 # --------------------------------------------------------------------------------------------------
 # The scenario (runs in the child, with the environment set by the test's ``run_scenario``).
 # --------------------------------------------------------------------------------------------------
@@ -83,10 +218,8 @@ def _scenario(workdir: Path) -> dict[str, Any]:
     import torch
     import verl  # noqa: F401  (loads the verl_mas plugin: the cpu platform)
     from hydra import compose, initialize_config_module
-    from verl.utils import tensordict_utils as tu
     from verl.utils.device import get_device_name
     from verl.workers.engine_workers import ActorRolloutRefWorker
-    from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_padding
 
     from verl_mas.tiny import write_tiny
 
@@ -128,45 +261,10 @@ def _scenario(workdir: Path) -> dict[str, Any]:
         "optimizer": type(engine.optimizer).__name__,
     }
 
-    # ---- a fixed batch in verl's left/right-padded layout (prompts left-padded, responses right-padded)
     vocab_size = module.config.vocab_size
-    gen = torch.Generator().manual_seed(1234)
-    bs, max_p, max_r = len(PROMPT_LENS), max(PROMPT_LENS), max(RESPONSE_LENS)
-    prompts = torch.zeros(bs, max_p, dtype=torch.long)  # pad id 0 (<|endoftext|>)
-    responses = torch.zeros(bs, max_r, dtype=torch.long)
-    prompt_mask = torch.zeros(bs, max_p, dtype=torch.long)
-    response_mask = torch.zeros(bs, max_r, dtype=torch.long)
-    sequences: list[tuple[torch.Tensor, torch.Tensor]] = []
-    for i, (pl, rl) in enumerate(zip(PROMPT_LENS, RESPONSE_LENS, strict=True)):
-        p = torch.randint(3, vocab_size, (pl,), generator=gen)  # ids 0-2 are special tokens
-        r = torch.randint(3, vocab_size, (rl,), generator=gen)
-        prompts[i, max_p - pl :], prompt_mask[i, max_p - pl :] = p, 1
-        responses[i, :rl], response_mask[i, :rl] = r, 1
-        sequences.append((p, r))
-    attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
-    position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
-
-    def make_batch(**fields: torch.Tensor) -> Any:
-        # As verl's trainer does: padded DataProto fields -> TensorDict -> no-padding (nested) layout.
-        td = tu.get_tensordict(
-            {
-                "prompts": prompts,
-                "responses": responses,
-                "input_ids": torch.cat([prompts, responses], dim=1),
-                "attention_mask": attention_mask,
-                "position_ids": position_ids,
-                "response_mask": response_mask.clone(),
-                **fields,
-            }
-        )
-        return left_right_2_no_padding(td)
-
-    def verl_log_probs(worker: ActorRolloutRefWorker, temperature: float = 1.0) -> torch.Tensor:
-        td = make_batch()
-        tu.assign_non_tensor(td, calculate_entropy=True, compute_loss=False, temperature=temperature)
-        out = worker.compute_log_prob(td)
-        # (bs, max_response_len), zero at padding
-        return no_padding_2_padding(tu.get(out, "log_probs"), td).float() * response_mask
+    batch = FixedBatch(vocab_size)
+    response_mask = batch.response_mask
+    verl_log_probs = batch.verl_log_probs
 
     # ---- the reference: plain transformers, one unpadded sequence at a time, no verl code involved
     from transformers import AutoModelForCausalLM
@@ -174,14 +272,7 @@ def _scenario(workdir: Path) -> dict[str, Any]:
     hf_model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
 
     def hf_log_probs(temperature: float = 1.0) -> torch.Tensor:
-        ref = torch.zeros(bs, max_r)
-        with torch.no_grad():
-            for i, (p, r) in enumerate(sequences):
-                logits = hf_model(torch.cat([p, r])[None]).logits[0].float()  # (pl + rl, vocab)
-                # logits at position t predict token t + 1: response token j is predicted at pl - 1 + j
-                logp = torch.log_softmax(logits[len(p) - 1 : len(p) + len(r) - 1] / temperature, dim=-1)
-                ref[i, : len(r)] = logp.gather(-1, r[:, None])[:, 0]
-        return ref
+        return batch.hf_log_probs(hf_model, temperature)
 
     t = time.perf_counter()
     ref_t1, ref_alt = hf_log_probs(1.0), hf_log_probs(ALT_TEMPERATURE)
@@ -206,27 +297,9 @@ def _scenario(workdir: Path) -> dict[str, Any]:
         return {n: p.detach().full_tensor().clone() for n, p in module.named_parameters()}
 
     def ppo_update(per_seq_advantage: tuple[float, ...]) -> dict[str, Any]:
-        old = verl_log_probs(actor)  # pi_old = current policy, as verl's trainer computes it
-        advantages = torch.tensor(per_seq_advantage)[:, None] * response_mask  # (bs, max_r), GRPO-style
-        td = make_batch(old_log_probs=old, advantages=advantages)
-        # The keys verl's trainer attaches before update_actor (ray_trainer._update_actor).
-        tu.assign_non_tensor(
-            td,
-            calculate_entropy=False,
-            distillation_use_topk=False,
-            distillation_only=False,
-            global_batch_size=bs,
-            mini_batch_size=bs,
-            epochs=1,
-            seed=42,
-            dataloader_kwargs={"shuffle": False},
-            compute_loss=True,
-            temperature=1.0,
-        )
         before = params()
-        metrics = tu.get(actor.update_actor(td), "metrics")
+        old, new, metrics = batch.update(actor, per_seq_advantage)
         after = params()
-        new = verl_log_probs(actor)
         return {
             "advantages": list(per_seq_advantage),
             "metrics": {k: [float(x) for x in v] for k, v in metrics.items() if not k.startswith("perf/")},

@@ -126,3 +126,37 @@ async def test_an_aborted_episode_counts_as_a_failure_next_to_an_abort_rate() ->
                             tokenizer=tokenizer, config=EpisodeConfig(branching=1, max_turns=4))
     # Task 2 succeeds, task 1 aborts: success 1/2 over both (not 1/1 over the completed one), aborted 1/2.
     assert report["success_rate"] == 0.5 and report["aborted_rate"] == 0.5 and report["episodes"] == 2.0
+
+
+def test_a_lora_adapter_directory_serves_a_role_merged_onto_its_base(tmp_path: Path, capsys) -> None:
+    import pytest
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from verl_mas.data import write_dataset
+    from verl_mas.evaluate import main, model_source
+    from verl_mas.tiny import write_tiny
+    from verl_mas.workflows.relay import RelayWorkflow
+
+    base = write_tiny(tmp_path / "base", vocab=list(RelayWorkflow.vocabulary))
+    # A non-zero adapter (peft's init_lora_weights=False draws B at random), saved as a shared base saves one.
+    peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(base),
+                                LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False))
+    peft_model.save_pretrained(tmp_path / "adapter")
+    assert model_source(str(tmp_path / "adapter"), None) == (str(base), str(tmp_path / "adapter"))
+    assert model_source(str(base), None) == (str(base), None)
+    served = LocalModelClient(str(base), adapter=str(tmp_path / "adapter"))
+    prompt = torch.tensor([[3, 4, 5]])
+    with torch.no_grad():
+        expected = peft_model.eval()(input_ids=prompt).logits
+        plain = AutoModelForCausalLM.from_pretrained(base)(input_ids=prompt).logits
+        got = served.engine.model(input_ids=prompt).logits
+    assert (got - expected).abs().max() < 1e-5 < (plain - expected).abs().max()  # the adapter, merged in
+    write_dataset("relay-v0", tmp_path / "data", train=0, test=2, seed=0)
+    out = tmp_path / "report.json"
+    main(["--data", str(tmp_path / "data" / "test.parquet"), "--model", str(base),
+          "--role", f"runner={tmp_path / 'adapter'}", "--max-tokens", "3", "--json", str(out)])
+    assert json.loads(out.read_text())["episodes"] == 2.0
+    with pytest.raises(SystemExit, match="is a LoRA adapter whose base model .* pass the base it was trained on"):
+        model_source(str(tmp_path / "adapter"), str(tmp_path / "nowhere"))

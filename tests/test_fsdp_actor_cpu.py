@@ -17,9 +17,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -27,6 +24,8 @@ from typing import Any
 import pytest
 
 HELPER = Path(__file__).with_name("_fsdp_helpers.py")
+sys.path.insert(0, str(HELPER.parent))
+from _fsdp_helpers import run_scenario  # noqa: E402  (the scenario script; importing it defines functions only)
 
 # the scenario runs verl's FSDP2 engine in a child interpreter
 pytestmark = pytest.mark.slow
@@ -53,48 +52,9 @@ assert EXPECTED_PG_LOSS == -0.25
 EXPECTED_MAX_PARAM_STEP = LR * math.sqrt(1 + BETA2) / (1 + BETA1)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def run_scenario(workdir: Path, timeout_s: float = 900.0) -> dict[str, Any]:
-    """Run ``_fsdp_helpers.py`` in a child interpreter (cwd ``workdir``) and return its JSON result."""
-    env = dict(os.environ)
-    env.update(
-        VERL_PLATFORM="cpu",
-        RANK="0",
-        WORLD_SIZE="1",
-        LOCAL_RANK="0",
-        LOCAL_WORLD_SIZE="1",
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(_free_port()),
-        HF_HUB_OFFLINE="1",
-        TRANSFORMERS_OFFLINE="1",
-        TOKENIZERS_PARALLELISM="false",
-        PYTHONDONTWRITEBYTECODE="1",  # the helper lives in the checkout: no __pycache__ there
-    )
-    proc = subprocess.run(
-        [sys.executable, str(HELPER), str(workdir)],
-        cwd=workdir,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout_s,
-    )
-    result_file = workdir / "result.json"
-    if proc.returncode != 0 or not result_file.exists():
-        raise RuntimeError(
-            f"the FSDP2 actor scenario ({HELPER.name}) exited with code {proc.returncode}; its output ends "
-            f"with:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-        )
-    return json.loads(result_file.read_text())
-
-
 @pytest.fixture(scope="module")
 def scenario(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    result = run_scenario(tmp_path_factory.mktemp("fsdp_actor_cpu"))
+    result = run_scenario(HELPER, tmp_path_factory.mktemp("fsdp_actor_cpu"))
     config = result["config"]
     # The expectations above are derived for exactly this batch and optimizer: fail loudly if they drift.
     assert list(config["prompt_lens"]) == PROMPT_LENS

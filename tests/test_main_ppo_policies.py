@@ -11,6 +11,10 @@ The CPU quickstart recipe (relay-v0: roles caller and runner) with ``mas_policie
   by the wrong model, or weights synced into the wrong server, shows up as a large rollout-vs-actor
   log-prob gap for that policy. (That each role renders with its own tokenizer is checked on the agent
   loop's rows in tests/test_policies.py.)
+
+With per-role LoRA the two adapters share one resident base (``mas.lora_base=shared``); that each request
+reaches its own adapter is checked with both adapters non-zero and a swapped-adapter control in
+tests/test_shared_lora_cpu.py, here end to end on the counts, the synced bytes and the checkpoints.
 """
 
 from __future__ import annotations
@@ -140,37 +144,76 @@ def test_per_role_models_of_different_sizes_train_route_sync_save_and_resume(tmp
 
 
 @pytest.mark.slow
-def test_per_role_lora_updates_only_the_producing_roles_adapter(tmp_path: Path, recipe_runs) -> None:
+def test_per_role_lora_trains_each_adapter_on_one_resident_base_syncs_adapters_only_and_resumes(
+        tmp_path: Path, recipe_runs) -> None:
+    """mas_policies=per_role_lora (mas.lora_base=shared): one worker group and one hf rollout hold the base
+    once and both adapters (rank 8, all linear layers of the relay's tiny model: 2816 x 8 = 22,528 floats,
+    90,112 bytes each). The agent loop's requests name their role's adapter; the sync sends adapter tensors."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    adapter_bytes = 2816 * 8 * 4
     run_dir = tmp_path / "run"
-    metrics = _run(run_dir, recipe_runs.relay_shape, "mas_policies=per_role_lora", "+mas.policies.runner.actor.optim.weight_decay=0.0",
-                   "trainer.total_training_steps=2", "trainer.save_freq=2", SAVE_HF)
+    lora = ("mas_policies=per_role_lora", "+mas.policies.runner.actor.optim.weight_decay=0.0")
+    metrics = _run(run_dir, recipe_runs.relay_shape, *lora, "trainer.total_training_steps=2", "trainer.save_freq=2",
+                   SAVE_HF)
     steps = [m for m in metrics if "mas/success_rate" in m["data"]]
     assert [m["step"] for m in steps] == [1, 2]
+    base = _weights(run_dir / "model")
+    # What a base sync sends: the model's state dict, the tied lm_head (stored once in the file) included.
+    base_bytes = sum(t.numel() * t.element_size()
+                     for t in AutoModelForCausalLM.from_pretrained(run_dir / "model").state_dict().values())
     for m in steps:
         d = m["data"]
-        print(f"[per-role-lora] step {m['step']}: caller grad_norm={d['policy/caller/actor/grad_norm']:.3g} "
-              f"runner grad_norm={d['policy/runner/actor/grad_norm']:.3g} probs_diff caller="
-              f"{d['policy/caller/training/rollout_probs_diff_mean']:.1e} runner="
-              f"{d['policy/runner/training/rollout_probs_diff_mean']:.1e}")
-        # Merged LoRA weights in the rollout vs base + adapter in the actor: equal up to float rounding.
+        print(f"[per-role-lora] step {m['step']}: " + " ".join(
+            f"{p}: probs_diff={d[f'policy/{p}/training/rollout_probs_diff_mean']:.1e} "
+            f"grad_norm={d[f'policy/{p}/actor/grad_norm']:.3g} requests={d[f'policy/{p}/rollout/requests']:.0f}"
+            for p in ("caller", "runner")) + f" synced bytes={d['mas/rollout/weight_bytes']:.0f}")
+        # Base + adapter in the actor vs the rollout's base + the same adapter: equal up to float rounding.
         assert d["policy/caller/training/rollout_probs_diff_mean"] < 1e-4
         assert d["policy/runner/training/rollout_probs_diff_mean"] < 1e-4
-        assert d["policy/runner/actor/grad_norm"] == 0.0
+        assert d["policy/runner/actor/grad_norm"] == 0.0  # alpha=0: the runner's control condition
+        if m["step"] == 1:
+            # The one rollout served each role's K requests per turn under that role's adapter.
+            for role in ("caller", "runner"):
+                assert d[f"policy/{role}/rollout/requests"] == round(K * TASKS * d[f"mas/{role}/turns"])
+            # Before step 1: verl's first sync sends the base once (the rollout started from dummy weights) and
+            # both adapters, then the sync at the start of training both adapters again.
+            assert d["mas/rollout/weight_bytes"] == base_bytes + 2 * 2 * adapter_bytes
+        else:  # after a step: the two adapters' tensors, nothing of the base
+            assert d["mas/rollout/weight_bytes"] == 2 * adapter_bytes
+            assert d["policy/caller/rollout/weight_updates"] == d["policy/runner/rollout/weight_updates"] == 1.0
     assert max(m["data"]["policy/caller/actor/grad_norm"] for m in steps) > 0
 
-    base = _weights(run_dir / "model")
-    ckpt = run_dir / "checkpoints" / "global_step_2"
-    for policy in ("actor", "actor_runner"):
-        saved = _weights(ckpt / policy / "huggingface")  # peft layout: base_layer + lora_A/lora_B per module
-        frozen = {k.removeprefix("base_model.model.").replace(".base_layer", ""): v
-                  for k, v in saved.items() if "lora_" not in k}
-        # The base model is never trained, in either policy.
-        assert frozen.keys() == base.keys() and all(torch.equal(frozen[k], base[k]) for k in base), policy
-    adapters = {p: {k: v for k, v in _weights(ckpt / p / "huggingface").items() if "lora_B" in k}
-                for p in ("actor", "actor_runner")}
+    ckpt = run_dir / "checkpoints" / "global_step_2" / "actor"
+    # One checkpoint for both policies (one module), each adapter also on its own in the PEFT format.
+    assert not (run_dir / "checkpoints" / "global_step_2" / "actor_runner").exists()
+    saved = _weights(ckpt / "huggingface")  # peft layout: base_layer + lora_A/lora_B of every adapter
+    frozen = {k.removeprefix("base_model.model.").replace(".base_layer", ""): v
+              for k, v in saved.items() if "lora_" not in k}
+    assert frozen.keys() == base.keys() and all(torch.equal(frozen[k], base[k]) for k in base)  # base untouched
+    adapters = {p: load_file(str(ckpt / "adapters" / p / "adapter_model.safetensors")) for p in ("caller", "runner")}
+    assert {p: sum(t.numel() * t.element_size() for t in a.values()) for p, a in adapters.items()} == {
+        "caller": adapter_bytes, "runner": adapter_bytes}
     # B starts at zero: the runner's adapter (zero advantage) is still zero, the caller's is not.
-    assert adapters["actor"] and adapters["actor_runner"].keys() == adapters["actor"].keys()
-    assert all(torch.count_nonzero(v) == 0 for v in adapters["actor_runner"].values())
-    assert sum(int(torch.count_nonzero(v)) for v in adapters["actor"].values()) > 0
-    print(f"[per-role-lora] adapters: caller {sum(int(torch.count_nonzero(v)) for v in adapters['actor'].values())} "
-          f"non-zero B entries, runner 0; base weights unchanged in both")
+    assert all(torch.count_nonzero(v) == 0 for k, v in adapters["runner"].items() if "lora_B" in k)
+    assert sum(int(torch.count_nonzero(v)) for k, v in adapters["caller"].items() if "lora_B" in k) > 0
+    peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(run_dir / "model"),
+                                           str(ckpt / "adapters" / "caller"))
+    assert peft_model.peft_config["default"].r == 8
+
+    # Kill and resume: every adapter's optimiser continues its count (one mini-batch a step: Adam's step is
+    # 2 in the step-2 checkpoint and 3 in the step-3 one; an adapter restarted from scratch would have 1).
+    resumed = _run(run_dir, recipe_runs.relay_shape, *lora, "trainer.total_training_steps=3", "trainer.save_freq=3")
+    assert [m["step"] for m in resumed if "mas/success_rate" in m["data"]] == [3]
+    step3 = next(m["data"] for m in resumed if "mas/success_rate" in m["data"])
+    assert step3["mas/rollout/weight_bytes"] == base_bytes + 2 * 2 * adapter_bytes  # a fresh rollout: base once
+    assert step3["policy/caller/training/rollout_probs_diff_mean"] < 1e-4
+    for policy in ("caller", "runner"):
+        for step, expected in ((2, 2.0), (3, 3.0)):
+            optim = torch.load(run_dir / "checkpoints" / f"global_step_{step}" / "actor" / "adapters" / policy
+                               / "optim_world_size_1_rank_0.pt", weights_only=False)["optimizer"]
+            assert {float(v["step"]) for v in optim["state"].values()} == {expected}, (policy, step)
+    print(f"[per-role-lora] base {base_bytes} bytes resident once; {2 * adapter_bytes} adapter bytes synced a step; "
+          "optimiser steps 2 -> 3 for both adapters across the restart")

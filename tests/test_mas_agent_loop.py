@@ -456,8 +456,20 @@ async def test_every_key_of_the_mas_block_has_an_effect(tiny_model_dir: Path) ->
         assert dropped.tolist() == (flat if not all(flat) else [False] * len(flat)) and metrics
         assert rows_to_drop(groups, padding, MasConfig(branching=2))[0].tolist() == [False] * len(flat)
 
+    async def lora_base() -> None:  # LoRA policies on one base share it (an adapter each) or get a stack each
+        from verl_mas.policies import policy_configs
+        from verl_mas.policies.adapters import shared_base_plan
+
+        arr = OmegaConf.create({"model": {"path": "/m", "lora_rank": 0, "lora": {"merge": False}},
+                                "actor": {}, "rollout": {"name": "hf", "custom": None}, "ref": {}})
+        lora = {"policies": {"a": {"model": {"lora_rank": 4}}, "b": {"model": {"lora_rank": 4}}},
+                "roles": {"x": {"policy": "a"}, "y": {"policy": "b"}}}
+        plans = [shared_base_plan(mas, policy_configs(arr, mas))[0]
+                 for mas in (MasConfig.from_mapping(lora), MasConfig.from_mapping({**lora, "lora_base": "per_policy"}))]
+        assert list(plans[0]) == ["a", "b"] and plans[1] is None
+
     observations = {
-        "record": record, "val_greedy": val_greedy, "drop_zero_variance": drop_zero_variance,
+        "record": record, "val_greedy": val_greedy, "lora_base": lora_base, "drop_zero_variance": drop_zero_variance,
         "branching": branching, "max_turns": max_turns, "alpha": alpha, "grouping": grouping, "sampling": sampling,
         "tie_break": tie_break, "singleton_advantage": singleton_advantage, "check_group_prompts": check_group_prompts,
         "workflow": workflow, "roles": roles_and_policies, "policies": roles_and_policies, "sandbox": sandbox_block,

@@ -431,3 +431,95 @@ def test_candidates_route_by_session_through_verls_load_balancer_with_ids_of_the
         assert any(len(names) > 1 for names in served(LLMServerClient).values())
     finally:
         ray.shutdown()
+
+
+def _lora_arr(**rollout: object) -> object:
+    return OmegaConf.create({
+        "model": {"path": "/models/base", "lora_rank": 0, "lora_alpha": 16, "lora": {"merge": False},
+                  "lora_adapter_path": None, "use_remove_padding": True},
+        "actor": {"optim": {"lr": 1e-6, "weight_decay": 0.01}, "clip_ratio": 0.2, "ppo_epochs": 1},
+        "rollout": {"name": "hf", "custom": None, "temperature": 1.0,
+                    "checkpoint_engine": {"backend": "naive"}, **rollout},
+        "ref": {},
+    })
+
+
+def _lora_mas(**extra: object) -> MasConfig:
+    runner = {"model": {"lora_rank": 4, "lora_alpha": 8}, "actor": {"optim": {"lr": 2e-3}}}
+    for block, values in extra.pop("runner", {}).items():
+        runner[block] = {**runner.get(block, {}), **values}
+    return MasConfig.from_mapping({
+        "policies": {"caller": {"model": {"lora_rank": 8}}, "runner": runner},
+        "roles": {"caller": {"policy": "caller"}, "runner": {"policy": "runner"}}, **extra,
+    })
+
+
+def test_lora_policies_on_one_base_share_it_with_an_adapter_each() -> None:
+    from verl_mas.policies.adapters import shared_base_plan
+
+    mas = _lora_mas()
+    assert mas.lora_base == "shared"
+    plan, problems = shared_base_plan(mas, policy_configs(_lora_arr(), mas))
+    assert problems == []
+    # Ranks may differ per role; each adapter carries its own optimiser overrides (first policy first).
+    assert plan == {"caller": {"rank": 8, "alpha": 16, "optim": {}},
+                    "runner": {"rank": 4, "alpha": 8, "optim": {"lr": 2e-3}}}
+    assert list(plan) == ["caller", "runner"]
+    # Not shared: mas.lora_base=per_policy, full models, a LoRA policy next to a full model, one policy.
+    per_policy = _lora_mas(lora_base="per_policy")
+    assert shared_base_plan(per_policy, policy_configs(_lora_arr(), per_policy)) == (None, [])
+    mixed = MasConfig.from_mapping({**TWO, "policies": {"caller": {}, "runner": {"model": {"lora_rank": 8}}}})
+    assert shared_base_plan(mixed, policy_configs(_lora_arr(), mixed)) == (None, [])
+    one = MasConfig.from_mapping({"policies": {"default": {"model": {"lora_rank": 8}}}})
+    assert shared_base_plan(one, policy_configs(_lora_arr(), one)) == (None, [])
+    with pytest.raises(MasConfigError, match="mas.lora_base is 'both'"):
+        _lora_mas(lora_base="both")
+
+
+def test_a_shared_base_refuses_what_one_worker_group_cannot_do_per_adapter() -> None:
+    from verl_mas.policies.adapters import shared_base_plan
+
+    mas = _lora_mas(runner={"model": {"path": "/models/other", "lora": {"merge": True}},
+                            "actor": {"clip_ratio": 0.3, "ppo_epochs": 2}})
+    arr = _lora_arr(name="vllm", checkpoint_engine={"backend": "nccl"})
+    plan, problems = shared_base_plan(mas, policy_configs(arr, mas))
+    text = "\n".join(problems)
+    assert "mas.policies.runner.actor.clip_ratio is 0.3 but caller's is 0.2" in text  # a loss setting: shared
+    assert "mas.policies.runner.actor.ppo_epochs" not in text  # sent with each policy's update: allowed
+    assert "mas.policies.runner.model.path is '/models/other'" in text
+    assert "rollout.name=vllm" in text and "checkpoint_engine.backend=nccl" in text
+    assert all("mas.lora_base=per_policy" in p for p in problems if "peft names" not in p)
+    # The same key set to the same value everywhere is fine: the worker group reads one value.
+    same = _lora_mas(runner={"actor": {"clip_ratio": 0.2}})
+    assert shared_base_plan(same, policy_configs(_lora_arr(), same))[1] == []
+    assert "mas.policies.runner.model.lora.merge is True but caller's is False" in text
+    first_merged = MasConfig.from_mapping({**TWO, "policies": {"caller": {"model": {"lora_rank": 8}},
+                                                                "runner": {"model": {"lora_rank": 8}}}})
+    arr = _lora_arr()
+    arr.model.lora.merge = True
+    problems = shared_base_plan(first_merged, policy_configs(arr, first_merged))[1]
+    assert any(p.startswith("actor_rollout_ref.model.lora.merge=true merges one adapter") for p in problems)
+
+
+async def _route(client: PolicyRouterClient, policy: str) -> dict:
+    return await client.generate("s#1.0", policy=policy, prompt_ids=[1], sampling_params={})
+
+
+def test_a_shared_base_client_names_each_policys_adapter() -> None:
+    import asyncio
+
+    class Recorder:
+        config = None
+        calls: list = []
+
+        async def generate(self, request_id: str, **kwargs: object) -> dict:
+            self.calls.append(kwargs.get("adapter"))
+            return kwargs
+
+    one = Recorder()
+    client = PolicyRouterClient({"caller": one, "runner": one}, adapters={"caller": "caller", "runner": "runner"})
+    assert asyncio.run(_route(client, "runner"))["adapter"] == "runner"
+    assert asyncio.run(_route(client, "caller"))["adapter"] == "caller"
+    plain = PolicyRouterClient({"caller": Recorder(), "runner": Recorder()})  # a stack per policy: no adapter
+    assert "adapter" not in asyncio.run(_route(plain, "runner"))
+    assert one.calls[:2] == ["runner", "caller"]

@@ -15,7 +15,8 @@ Three levels, by config alone (see docs/policies.md):
 
 - shared: one policy (the default) serves every role;
 - per-role models: ``policies: {caller: {}, runner: {model: {path: ...}}}`` and every role routed;
-- per-role LoRA: every policy sets ``model: {lora_rank: r}`` on the same base model.
+- per-role LoRA: every policy sets ``model: {lora_rank: r}`` on the same base model (one resident base and
+  an adapter per policy, ``lora_base: shared``).
 
 The agent loop (in verl's agent-loop workers) and the ``mas`` trainer (in verl's TaskRunner) both read it
 from verl's config, so both see the same validated values.
@@ -36,6 +37,8 @@ __all__ = ["ABLATIONS", "MAS_TRAINER_MARK", "ablation", "MasConfig", "MasConfigE
 
 #: ``mas.sampling`` values: K candidates per node of one episode, or K independent episodes per task.
 SAMPLINGS = ("tree", "parallel")
+#: ``mas.lora_base`` values (verl_mas.policies.adapters).
+LORA_BASES = ("shared", "per_policy")
 DEFAULT_POLICY = "default"
 #: Blocks of verl's ``actor_rollout_ref`` a policy may override.
 POLICY_BLOCKS = ("model", "actor", "rollout", "ref")
@@ -104,6 +107,10 @@ class MasConfig(EpisodeSettings):
     (``model``, ``actor``, ``rollout``, ``ref`` blocks) applied on top of the recipe's. The first policy
     runs in verl's own actor/rollout stack; every further one gets its own worker group, rollout
     servers and weight sync, on verl's pool or, with ``resources: {n_gpus_per_node: N}``, on its own."""
+    lora_base: str = "shared"
+    """When every policy is a LoRA adapter on one base model: ``shared`` (one worker group and one rollout hold
+    the base once and every adapter; see :mod:`verl_mas.policies.adapters`) or ``per_policy`` (a stack per
+    adapter, each with its own copy of the base)."""
     sandbox: Mapping[str, Any] = field(default_factory=dict)
     """Settings of the code sandbox (see ``verl_mas.sandbox``)."""
     val_branching: int = 1
@@ -145,6 +152,7 @@ class MasConfig(EpisodeSettings):
             ("grouping", self.grouping, GROUPING_MODES),
             ("sampling", self.sampling, SAMPLINGS),
             ("singleton_advantage", self.singleton_advantage, SINGLETON_POLICIES),
+            ("lora_base", self.lora_base, LORA_BASES),
         ):
             if value not in allowed:
                 out.append(f"mas.{name} is {value!r}; use one of {list(allowed)}.")

@@ -14,8 +14,9 @@ paper's role-swap ablation of a per-role run is one command::
         --role caller=CKPT/global_step_N/actor_runner/huggingface --role runner=CKPT/global_step_N/actor/huggingface
 
 A verl checkpoint saved with ``actor.checkpoint.save_contents=[model,optimizer,extra,hf_model]`` has a
-transformers directory in ``actor*/huggingface``; otherwise (and for LoRA adapters) convert it with verl's
-merger (``python -m verl.model_merger merge --backend fsdp --local_dir CKPT/actor --target_dir OUT``). For
+transformers directory in ``actor*/huggingface``. A PEFT adapter directory (per-role LoRA on a shared base
+saves each role's in ``actor/adapters/<policy>``) serves merged onto its base (``--base``, else the one its
+``adapter_config.json`` names). Otherwise convert a checkpoint with verl's merger (``python -m verl.model_merger merge --backend fsdp --local_dir CKPT/actor --target_dir OUT``). For
 served models, build an :class:`verl_mas.LLMClient` and call :func:`evaluate`.
 """
 
@@ -44,10 +45,15 @@ __all__ = ["LocalModelClient", "evaluate", "main"]
 class LocalModelClient:
     """:class:`verl_mas.LLMClient` over a local transformers model (the hf backend's batched engine)."""
 
-    def __init__(self, model_path: str, *, temperature: float = 0.0, max_tokens: int = 256, seed: int = 0) -> None:
+    def __init__(self, model_path: str, *, temperature: float = 0.0, max_tokens: int = 256, seed: int = 0,
+                 adapter: str | None = None) -> None:
         from verl_mas.backends.hf.engine import HFGenerationEngine, SamplingSettings
 
         self.engine = HFGenerationEngine.from_pretrained(model_path, seed=seed)
+        if adapter is not None:  # a PEFT adapter (e.g. a shared-base checkpoint's actor/adapters/<policy>) merged in
+            from peft import PeftModel
+
+            self.engine.model = PeftModel.from_pretrained(self.engine.model, adapter).merge_and_unload().eval()
         self._settings = SamplingSettings(max_tokens=max_tokens, temperature=temperature)
 
     async def generate(self, request: GenerateRequest) -> list[Sample]:
@@ -70,6 +76,25 @@ def parse_role_models(specs: Sequence[str]) -> dict[str, str]:
     if problems:
         raise SystemExit("python -m verl_mas.evaluate: " + "; ".join(problems))
     return out
+
+
+def model_source(path: str, base: str | None) -> tuple[str, str | None]:
+    """``(model directory, adapter directory or None)`` of a ``--model``/``--role`` directory.
+
+    A directory holding ``adapter_config.json`` is a PEFT adapter: it is served merged onto ``--base``, else
+    onto the base its config names (``base_model_name_or_path``, the model the adapter was trained on).
+    """
+    config = Path(path) / "adapter_config.json"
+    if not config.is_file():
+        return path, None
+    named = json.loads(config.read_text()).get("base_model_name_or_path")
+    model = base or named
+    if not model or not (Path(model) / "config.json").is_file():
+        raise SystemExit(
+            f"python -m verl_mas.evaluate: {path} is a LoRA adapter whose base model {model!r} is not a local model "
+            "directory; pass the base it was trained on with --base DIR."
+        )
+    return model, path
 
 
 def model_tokenizers(paths: Sequence[str]) -> dict[str, Any]:
@@ -161,7 +186,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--model", default=None, help="local transformers model directory serving every role not "
                         "given with --role")
     parser.add_argument("--role", action="append", default=[], metavar="ROLE=MODEL",
-                        help="serve ROLE with the model in MODEL (repeatable), e.g. for a role swap")
+                        help="serve ROLE with the model in MODEL (repeatable), e.g. for a role swap; MODEL may be a "
+                        "PEFT adapter directory (served merged onto its base)")
+    parser.add_argument("--base", default=None, help="base model of adapter directories (default: the base named in "
+                        "their adapter_config.json)")
     parser.add_argument("--branching", type=int, default=1, help="K candidates per node (1: single-sample accuracy)")
     parser.add_argument("--max-turns", type=int, default=4)
     parser.add_argument("--alpha", type=float, default=1.0)
@@ -181,7 +209,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.model is None and not role_models:
         parser.error("give --model (every role) and/or --role ROLE=MODEL")
     paths = ([args.model] if args.model else []) + list(role_models.values())
-    tokenizers = model_tokenizers(paths)
+    sources = {path: model_source(path, args.base) for path in dict.fromkeys(paths)}
+    tokenizers = model_tokenizers([model for model, _ in sources.values()])
+    tokenizers = {path: tokenizers[model] for path, (model, _) in sources.items()}
     rows = [row for path in args.data for row in _read_rows(path)][: args.limit]
     # The router training uses: here each model directory is a policy, --model the default one.
     router = RoleRouter(role_models, list(dict.fromkeys(paths)), default=args.model,
@@ -191,8 +221,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     if problems:
         raise SystemExit("python -m verl_mas.evaluate: " + " ".join(problems))
     engines = {
-        path: LocalModelClient(path, temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
-        for path in dict.fromkeys(paths)
+        path: LocalModelClient(model, temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed,
+                               adapter=adapter)
+        for path, (model, adapter) in sources.items()
     }
     client = RoleRoutedClient.from_router(router, engines)
     tokenizer = router.tokenizers({path: tokenizers[path] for path in router.policies})

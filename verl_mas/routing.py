@@ -283,13 +283,17 @@ class PolicyRouterClient(LLMServerClient):
 
     verl hands one client to its agent-loop workers (``server_manager`` of every agent loop); with several
     policies the ``mas`` trainer hands this one, which holds one verl client per policy. Requests without
-    ``policy`` go to the first policy, so verl's own agent loops keep working.
+    ``policy`` go to the first policy, so verl's own agent loops keep working. With a shared LoRA base
+    (``adapters``: policy -> adapter) the requests carry ``adapter=<its adapter>`` to the one rollout.
     """
 
-    def __init__(self, clients: Mapping[str, LLMServerClient]) -> None:  # noqa: D107 (no super().__init__)
+    def __init__(self, clients: Mapping[str, LLMServerClient],
+                 adapters: Mapping[str, str] | None = None) -> None:  # noqa: D107 (no super().__init__)
         if not clients:
             raise ValueError("PolicyRouterClient needs at least one policy client")
         self.clients = dict(clients)
+        # A shared LoRA base: every policy's client is the one rollout's, and each request names its adapter.
+        self.adapters = dict(adapters or {})
         self.default_policy = next(iter(self.clients))
         first = self.clients[self.default_policy]
         # verl reads these attributes of its client (config for request ids, tokenizer for tracing).
@@ -306,6 +310,8 @@ class PolicyRouterClient(LLMServerClient):
                 f"generate() asked for policy {name!r}, but this run serves {list(self.clients)}. The agent loop "
                 "routes roles with mas.roles.<role>.policy; check that it names a declared policy."
             )
+        if name in self.adapters:
+            kwargs["adapter"] = self.adapters[name]
         return await client.generate(request_id, **kwargs)
 
 

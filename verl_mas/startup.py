@@ -16,6 +16,7 @@ from omegaconf import open_dict
 from verl_mas.advantage.at_grpo import ESTIMATOR_NAME, SINGLETON_KEY
 from verl_mas.config import MAS_TRAINER_MARK, MasConfig, MasConfigError
 from verl_mas.policies import policy_configs_and_problems, shared_rollout_problems
+from verl_mas.policies.adapters import ADAPTERS_KEY, adapter_plan, shared_base_plan
 from verl_mas.routing import RoleRouter, roles_of_workflows, workflows_in_data
 
 __all__ = ["check_run_config", "prepare_verl_config"]
@@ -75,6 +76,12 @@ def check_run_config(config: Any) -> tuple[MasConfig, dict[str, Any]]:
         problems.extend(override_problems)
         if configs:
             problems.extend(shared_rollout_problems(configs, mas))
+            plan, plan_problems = shared_base_plan(mas, configs)
+            problems.extend(plan_problems)
+            if plan is not None:  # the worker group and the rollout servers read it from the first policy's config
+                primary = configs[mas.policy_names[0]]
+                with open_dict(primary):
+                    primary.rollout.custom = {**dict(primary.rollout.get("custom") or {}), ADAPTERS_KEY: plan}
     if mas.multi_policy and isinstance(mas.roles, Mapping):
         workflows = workflows_in_data(config) or ([mas.workflow] if mas.workflow else [])
         problems.extend(RoleRouter.from_mas(mas).problems(roles_of_workflows(workflows)))
@@ -92,14 +99,15 @@ def prepare_verl_config(config: Any, mas: MasConfig, policy_configs: dict[str, A
       (replay buffer, batch sizes) and this mode is synchronous; ``trainer.v1.mas_trainer`` marks the config
       so that the ``mas`` agent loop knows it runs under this trainer;
     - ``algorithm.at_grpo_singleton`` carries ``mas.singleton_advantage`` to the ``at_grpo`` estimator;
-    - ``actor_rollout_ref`` becomes the first policy's (the recipe's with its overrides).
+    - ``actor_rollout_ref`` becomes the first policy's (the recipe's with its overrides; with a shared LoRA
+      base, it carries every adapter in ``rollout.custom``, :mod:`verl_mas.policies.adapters`).
     """
     primary = mas.policy_names[0]
     with open_dict(config):
         config.trainer.v1.trainer_mode = "sync"
         config.trainer.v1[MAS_TRAINER_MARK] = True
         config.algorithm[SINGLETON_KEY] = mas.singleton_advantage
-        if mas.policies[primary]:
+        if mas.policies[primary] or adapter_plan(policy_configs):
             config.actor_rollout_ref = policy_configs[primary]
 
 

@@ -18,6 +18,7 @@ one policy every hook is verl's own behaviour.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import os
 import sys
@@ -30,6 +31,7 @@ import transfer_queue as tq
 from omegaconf import open_dict
 
 from verl_mas.config import MasConfig
+from verl_mas.policies.adapters import adapter_plan
 from verl_mas.routing import PolicyRouterClient, SessionRoutedClient
 from verl_mas.rows import rows_from_verl
 
@@ -49,6 +51,11 @@ class PolicyStack:
     server_manager: Any
     checkpoint_manager: Any
     pool: str = "global_pool"  # the resource pool its workers and rollout replicas live on
+    adapter: str | None = None  # on a shared LoRA base: its adapter in the first policy's worker group and rollout
+
+    @property
+    def shares_base(self) -> bool:
+        return self.adapter is not None
 
 
 class MultiPolicyTrainer:
@@ -66,10 +73,23 @@ class MultiPolicyTrainer:
         self._policy_keys: dict[str, list[str]] = {}
         self._resume_folder: str | None = None
         self._last_server_stats: dict[str, dict[str, int]] = {}
+        # One resident base, one LoRA adapter per policy (mas.lora_base=shared): None, or policy -> adapter spec.
+        self._adapters = adapter_plan(self._policy_configs) if self.mas.multi_policy else None
         super().__init__(config)  # type: ignore[call-arg]  (verl's trainer, next in the MRO)
 
     def _init_resource_pool_mgr(self) -> None:
         super()._init_resource_pool_mgr()
+        if self._adapters:
+            import ray
+
+            from verl_mas.policies.lora_worker import SharedBaseLoraWorker
+
+            # verl's own actor/rollout role, its worker class holding every adapter (verl's separate-async
+            # trainer swaps its worker class the same way).
+            for role in list(self.role_worker_mapping):
+                if str(role).startswith("actor"):
+                    self.role_worker_mapping[role] = ray.remote(SharedBaseLoraWorker)
+            return
         # Policies without resources of their own share verl's pool (one process per policy per GPU);
         # verl's default allows 3 colocated groups per bundle.
         needed = len(self.mas.policies) + 1
@@ -91,10 +111,14 @@ class MultiPolicyTrainer:
             server_manager=self.llm_server_manager,
             checkpoint_manager=self.checkpoint_manager,
             pool=self._verl_pool_name(),
+            adapter=primary if self._adapters else None,
         )
         for name in self.mas.policy_names[1:]:
-            self.stacks[name] = self._build_policy_stack(name, self._policy_configs[name])
-        if self._resume_folder is not None:
+            if self._adapters:  # an adapter in the first policy's worker group and rollout
+                self.stacks[name] = dataclasses.replace(self.stacks[primary], name=name, adapter=name)
+            else:
+                self.stacks[name] = self._build_policy_stack(name, self._policy_configs[name])
+        if self._resume_folder is not None and not self._adapters:  # a shared base resumes every adapter itself
             for name in self.mas.policy_names[1:]:
                 self.stacks[name].worker_group.load_checkpoint(
                     local_path=os.path.join(self._resume_folder, f"actor_{name}"),
@@ -154,12 +178,17 @@ class MultiPolicyTrainer:
         return self.mapping[next(iter(self.role_worker_mapping))]
 
     def _extra_stacks(self) -> list[PolicyStack]:
-        return [self.stacks[n] for n in self.mas.policy_names[1:] if n in self.stacks]
+        """The stacks built for further policies (not the adapters of a shared base, which use the first's)."""
+        return [self.stacks[n] for n in self.mas.policy_names[1:] if n in self.stacks and not self.stacks[n].shares_base]
 
     def get_llm_client(self) -> Any:
         # One request id per candidate, routed by its (episode, role) session (policies.SessionRoutedClient).
         if not self.mas.multi_policy:
             return self.llm_server_manager.get_client(client_cls=SessionRoutedClient)
+        if self._adapters:  # one rollout; each request names its policy's adapter
+            client = self.llm_server_manager.get_client(client_cls=SessionRoutedClient)
+            return PolicyRouterClient(dict.fromkeys(self.mas.policy_names, client),
+                                      adapters={name: name for name in self.mas.policy_names})
         return PolicyRouterClient({name: stack.server_manager.get_client(client_cls=SessionRoutedClient)
                                    for name, stack in self.stacks.items()})
 
@@ -178,12 +207,12 @@ class MultiPolicyTrainer:
 
         # As verl's sync trainer, for every policy: wake its replicas and push the new weights.
         with marked_timer("update_weights", self.timing_raw, color="red"):
-            for stack in self.stacks.values():
+            for stack in [self.stacks[self.mas.policy_names[0]], *self._extra_stacks()]:
                 stack.checkpoint_manager.update_weights(self.global_steps)
 
     def _load_checkpoint(self) -> None:
         super()._load_checkpoint()
-        if self.global_steps > 0 and self.mas.multi_policy:
+        if self.global_steps > 0 and self.mas.multi_policy and not self._adapters:
             trainer = self.config.trainer
             if trainer.resume_mode == "resume_path":
                 folder = trainer.resume_from_path
@@ -254,6 +283,8 @@ class MultiPolicyTrainer:
                 sub = batch.select_keys(self._policy_keys[name])
                 sub.extra_info = dict(batch.extra_info or {})
                 start = time.perf_counter()
+                if self.stacks[name].shares_base:  # its adapter forwards, its optimiser steps
+                    self.stacks[name].worker_group.mas_set_adapter(self.stacks[name].adapter)
                 method(self._view(self.stacks[name]), sub, per_policy[name])
                 durations[name] = time.perf_counter() - start
 
@@ -322,18 +353,26 @@ class MultiPolicyTrainer:
         if not self.mas.multi_policy:
             return {}
         out: dict[str, float] = {}
+        weight_bytes, counted = 0.0, set()
         for name, stack in self.stacks.items():
-            totals = {"requests": 0, "weight_updates": 0}
+            totals: dict[str, int] = defaultdict(int)
             for replica in stack.server_manager.get_replicas():
                 handle = getattr(replica, "_server_handle", None)
                 if handle is None or not hasattr(handle, "stats"):
                     return {}
                 for k, v in ray.get(handle.stats.remote()).items():
                     totals[k] += int(v)
-            last = self._last_server_stats.get(name, {"requests": 0, "weight_updates": 0})
-            out[f"policy/{name}/rollout/requests"] = float(totals["requests"] - last["requests"])
-            out[f"policy/{name}/rollout/weight_updates"] = float(totals["weight_updates"] - last["weight_updates"])
-            self._last_server_stats[name] = totals
+            # On a shared base the one rollout counts each adapter's requests.
+            served = totals[f"requests:{stack.adapter}"] if stack.shares_base else totals["requests"]
+            last = self._last_server_stats.get(name, {})
+            out[f"policy/{name}/rollout/requests"] = float(served - last.get("served", 0))
+            out[f"policy/{name}/rollout/weight_updates"] = float(totals["weight_updates"] - last.get("weight_updates", 0))
+            if id(stack.server_manager) not in counted:
+                counted.add(id(stack.server_manager))
+                weight_bytes += totals["weight_bytes"] - last.get("weight_bytes", 0)
+            self._last_server_stats[name] = {"served": served, "weight_updates": totals["weight_updates"],
+                                             "weight_bytes": totals["weight_bytes"]}
+        out["mas/rollout/weight_bytes"] = weight_bytes
         return out
 
 

@@ -19,6 +19,7 @@ import torch
 from verl.workers.rollout.base import BaseRollout
 
 from verl_mas.backends.hf.server import server_actor_name
+from verl_mas.policies.adapters import ADAPTER_SEP, ADAPTERS_KEY, split_adapter_tensor_name
 from verl_mas.policies.configs import rollout_policy
 
 logger = logging.getLogger(__name__)
@@ -75,16 +76,26 @@ class HFServerAdapter(BaseRollout):
                 f"The hf rollout backend takes full weights (wire_format='named_tensors'), got {wire_format!r}. "
                 "Use actor_rollout_ref.rollout.checkpoint_engine.backend=naive with rollout.name=hf."
             )
-        if kwargs.get("peft_config") is not None:
+        peft_config = kwargs.get("peft_config")
+        adapters = peft_config.get(ADAPTERS_KEY) if isinstance(peft_config, dict) else None
+        if peft_config is not None and adapters is None:
             raise NotImplementedError(
-                "The hf rollout backend loads merged weights only, but verl sent LoRA adapter weights. "
-                "Set actor_rollout_ref.model.lora.merge=True, or use vLLM for unmerged adapters."
+                "The hf rollout backend serves merged weights or the adapters of a shared base "
+                "(mas.lora_base=shared), but verl sent one unmerged LoRA adapter. Set "
+                "actor_rollout_ref.model.lora.merge=True, or use vLLM for unmerged adapters."
             )
         tensors = list(iter_full_tensors(weights))
         if self.rollout_rank != 0:
             return
         start = time.perf_counter()
-        loaded = await self._server_handle().update_weights.remote(tensors, global_steps)
+        if adapters is not None and tensors and ADAPTER_SEP in tensors[0][0]:
+            by_adapter: dict[str, dict[str, torch.Tensor]] = {name: {} for name in adapters}
+            for name, tensor in tensors:
+                policy, key = split_adapter_tensor_name(name)
+                by_adapter[policy][key] = tensor
+            loaded = await self._server_handle().update_adapters.remote(by_adapter, adapters, global_steps)
+        else:  # full weights (or, on a shared base started without weights, the base once)
+            loaded = await self._server_handle().update_weights.remote(tensors, global_steps)
         logger.debug("hf rollout replica %d: loaded %d tensors in %.3fs", self.replica_rank, loaded, time.perf_counter() - start)
 
     def generate_sequences(self, prompts: Any) -> Any:

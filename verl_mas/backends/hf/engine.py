@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -72,11 +72,14 @@ class HFGenerationEngine:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf-rollout")
         self._lock = threading.Lock()
         self._pending_lock = threading.Lock()
-        self._pending: list[tuple[list[int], SamplingSettings, asyncio.Future[GenerationResult], Any]] = []
+        self._pending: list[tuple[list[int], SamplingSettings, asyncio.Future[GenerationResult], Any, str | None]] = []
         self._draining = False
         self.largest_batch = 0  # diagnostics: the most requests decoded together so far
         self.frozen = False
         self.num_weight_updates = 0
+        self.weight_bytes_loaded = 0  # bytes of the tensors loaded by weight syncs, in total
+        self.adapters: list[str] = []  # LoRA adapters of a shared base, once loaded (load_adapters)
+        self.expects_adapters = False  # a shared base: every request must name its adapter
 
     @classmethod
     def from_pretrained(cls, path: str, *, seed: int = 0, trust_remote_code: bool = False) -> HFGenerationEngine:
@@ -124,20 +127,72 @@ class HFGenerationEngine:
             for name, tensor in state.items():
                 own[name].copy_(tensor.to(own[name].dtype))
         self.num_weight_updates += 1
+        self.weight_bytes_loaded += sum(t.numel() * t.element_size() for t in state.values())
         return len(state)
 
+    def load_adapters(self, tensors: Mapping[str, Mapping[str, torch.Tensor]],
+                      configs: Mapping[str, Mapping[str, Any]]) -> int:
+        """Load every LoRA adapter of a shared base: ``tensors[adapter]`` are its peft state-dict entries
+        (``get_peft_model_state_dict`` keys), ``configs[adapter]`` its peft config (``LoraConfig.to_dict()``).
+
+        The first call wraps the model with peft and creates the adapters; the base weights are never touched.
+
+        Raises:
+            ValueError: when the adapters differ from the ones created, or an adapter's tensors are not
+                exactly its parameters (a sync that skipped or misnamed tensors would leave a role off-policy).
+        """
+        from peft import PeftConfig, get_peft_model
+        from peft.utils.save_and_load import get_peft_model_state_dict, set_peft_model_state_dict
+
+        if self.frozen:
+            logger.warning("%s=1: ignoring an adapter update of %s", FREEZE_WEIGHTS_ENV, sorted(tensors))
+            return 0
+        if set(tensors) != set(configs):
+            raise ValueError(f"adapter sync: tensors for {sorted(tensors)} but configs for {sorted(configs)}")
+        with self._lock, torch.no_grad():
+            if not self.adapters:
+                names = list(configs)
+                model = get_peft_model(self.model, PeftConfig.from_peft_type(**dict(configs[names[0]])),
+                                       adapter_name=names[0])
+                for name in names[1:]:
+                    model.add_adapter(name, PeftConfig.from_peft_type(**dict(configs[name])))
+                self.model = model.eval()
+                self.adapters = names
+            elif set(configs) != set(self.adapters):
+                raise ValueError(f"adapter sync sent {sorted(configs)}, but this rollout serves {self.adapters}; the "
+                                 "adapters of a shared base are fixed when the run starts.")
+            loaded = 0
+            for name, state in tensors.items():
+                expected = set(get_peft_model_state_dict(self.model, adapter_name=name))
+                if set(state) != expected:
+                    raise ValueError(
+                        f"adapter sync for {name!r}: {len(set(state) - expected)} unknown tensors (e.g. "
+                        f"{sorted(set(state) - expected)[:2]}) and {len(expected - set(state))} missing (e.g. "
+                        f"{sorted(expected - set(state))[:2]}). The actor and the rollout must build the same adapters."
+                    )
+                result = set_peft_model_state_dict(self.model, dict(state), adapter_name=name)
+                if result.unexpected_keys:
+                    raise ValueError(f"adapter sync for {name!r}: peft did not load {result.unexpected_keys[:3]}")
+                loaded += len(state)
+                self.weight_bytes_loaded += sum(t.numel() * t.element_size() for t in state.values())
+        self.num_weight_updates += 1
+        return loaded
+
     # ---- generation ----
-    async def generate(self, prompt_ids: list[int], settings: SamplingSettings) -> GenerationResult:
+    async def generate(self, prompt_ids: list[int], settings: SamplingSettings,
+                       adapter: str | None = None) -> GenerationResult:
         """Generate one response without blocking the event loop.
 
         Requests that arrive while the model is busy are queued and then decoded together as one
         left-padded batch (at most ``max_batch_size`` rows), each row with its own sampling settings
-        and generator; each request gets back exactly its own tokens.
+        and generator; each request gets back exactly its own tokens. On a shared LoRA base each request
+        names its ``adapter``; the queued requests of one adapter are decoded together.
         """
+        self._check_adapter(adapter)
         loop = asyncio.get_running_loop()
         future: asyncio.Future[GenerationResult] = loop.create_future()
         with self._pending_lock:
-            self._pending.append((list(prompt_ids), settings, future, loop))
+            self._pending.append((list(prompt_ids), settings, future, loop, adapter))
             start = not self._draining
             self._draining = True
         if start:
@@ -153,21 +208,44 @@ class HFGenerationEngine:
                 if not batch:
                     self._draining = False
                     return
-            self.largest_batch = max(self.largest_batch, len(batch))
-            try:
-                results: list[Any] = self.generate_batch([(p, st) for p, st, _, _ in batch])
-            except Exception as exc:  # delivered to every waiting request; nothing is swallowed
-                results = [exc] * len(batch)
-            for (_, _, future, loop), result in zip(batch, results):
-                loop.call_soon_threadsafe(_resolve, future, result)
+            by_adapter: dict[str | None, list[Any]] = {}
+            for item in batch:
+                by_adapter.setdefault(item[4], []).append(item)
+            for adapter, part in by_adapter.items():
+                self.largest_batch = max(self.largest_batch, len(part))
+                try:
+                    results: list[Any] = self.generate_batch([(p, st) for p, st, _, _, _ in part], adapter=adapter)
+                except Exception as exc:  # delivered to every waiting request; nothing is swallowed
+                    results = [exc] * len(part)
+                for (_, _, future, loop, _), result in zip(part, results):
+                    loop.call_soon_threadsafe(_resolve, future, result)
 
-    def generate_sync(self, prompt_ids: list[int], settings: SamplingSettings) -> GenerationResult:
+    def _check_adapter(self, adapter: str | None) -> None:
+        if adapter is None and self.expects_adapters:
+            raise ValueError(
+                "This rollout serves a shared LoRA base; a request without an adapter would be answered by the bare "
+                "base. The mas agent loop names each role's adapter; a request from elsewhere must pass adapter=<policy>."
+            )
+        if adapter is not None and not self.adapters:
+            raise ValueError(
+                f"A request asked for adapter {adapter!r}, but this rollout has no adapters loaded"
+                + (" yet (the trainer syncs them before the first rollout)." if self.expects_adapters else
+                   " (it serves one model; adapters come with mas.lora_base=shared).")
+            )
+        if adapter is not None and adapter not in self.adapters:
+            raise ValueError(f"A request asked for adapter {adapter!r}; this rollout serves {self.adapters}.")
+
+    def generate_sync(self, prompt_ids: list[int], settings: SamplingSettings,
+                      adapter: str | None = None) -> GenerationResult:
         """Generate one response in the calling thread (the unbatched reference path)."""
-        return self.generate_batch([(list(prompt_ids), settings)])[0]
+        self._check_adapter(adapter)
+        return self.generate_batch([(list(prompt_ids), settings)], adapter=adapter)[0]
 
     @torch.no_grad()
-    def generate_batch(self, requests: list[tuple[list[int], SamplingSettings]]) -> list[GenerationResult]:
-        """KV-cached incremental decoding of several prompts at once (left-padded, per-row settings)."""
+    def generate_batch(self, requests: list[tuple[list[int], SamplingSettings]],
+                       adapter: str | None = None) -> list[GenerationResult]:
+        """KV-cached incremental decoding of several prompts at once (left-padded, per-row settings), with
+        ``adapter`` active on a shared LoRA base."""
         for prompt_ids, _ in requests:
             if not prompt_ids:
                 raise ValueError("generate() got an empty prompt; an agent loop must send at least one token id.")
@@ -186,6 +264,8 @@ class HFGenerationEngine:
         log_probs: list[list[float]] = [[] for _ in range(rows)]
         done = [False] * rows
         with self._lock:
+            if adapter is not None:
+                self.model.set_adapter(adapter)
             out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True)
             past, logits = out.past_key_values, out.logits[:, -1].float()
             next_pos = positions[:, -1] + 1

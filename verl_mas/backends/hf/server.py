@@ -27,6 +27,7 @@ from verl.workers.rollout.replica import RolloutReplica, TokenOutput
 
 from verl_mas.backends.hf import BACKEND_NAME, FREEZE_WEIGHTS_ENV
 from verl_mas.backends.hf.engine import HFGenerationEngine, settings_from_verl
+from verl_mas.policies.adapters import rollout_adapters
 from verl_mas.policies.configs import rollout_policy
 
 logger = logging.getLogger(__name__)
@@ -61,6 +62,9 @@ class HFRolloutServer:
         self.engine = HFGenerationEngine.from_pretrained(
             path, seed=seed, trust_remote_code=bool(getattr(model_config, "trust_remote_code", False))
         )
+        # A shared LoRA base (mas.lora_base=shared): every request names its adapter; the first sync creates them.
+        self.engine.expects_adapters = rollout_adapters(config) is not None
+        self.requests_by_adapter: dict[str, int] = {}
         self.engine.frozen = os.environ.get(FREEZE_WEIGHTS_ENV, "0").lower() in ("1", "true", "yes")
         if self.engine.frozen:
             logger.warning(
@@ -82,6 +86,7 @@ class HFRolloutServer:
         request_id: str,
         image_data: Any = None,
         video_data: Any = None,
+        adapter: str | None = None,
         **kwargs: Any,
     ) -> Any:
         if image_data is not None or video_data is not None or kwargs.get("audio_data") is not None:
@@ -97,8 +102,10 @@ class HFRolloutServer:
             max_model_len=self.max_model_len,
             default_ignore_eos=bool(getattr(self.config, "ignore_eos", False)),
         )
-        result = await self.engine.generate([int(t) for t in prompt_ids], settings)
+        result = await self.engine.generate([int(t) for t in prompt_ids], settings, adapter=adapter)
         self.requests_served += 1
+        if adapter is not None:
+            self.requests_by_adapter[adapter] = self.requests_by_adapter.get(adapter, 0) + 1
         return TokenOutput(
             token_ids=result.token_ids,
             log_probs=result.log_probs if settings.want_logprobs else None,
@@ -114,12 +121,26 @@ class HFRolloutServer:
             self.global_steps = int(global_steps)
         return loaded
 
+    async def update_adapters(self, tensors: dict[str, dict[str, torch.Tensor]], configs: dict[str, dict[str, Any]],
+                              global_steps: int | None = None) -> int:
+        """Load every adapter of a shared LoRA base (:meth:`HFGenerationEngine.load_adapters`)."""
+        loaded = await asyncio.get_running_loop().run_in_executor(
+            self.engine._executor, self.engine.load_adapters, tensors, configs
+        )
+        if global_steps is not None:
+            self.global_steps = int(global_steps)
+        return loaded
+
     def weight_update_count(self) -> int:
         return self.engine.num_weight_updates
 
     def stats(self) -> dict[str, int]:
-        """Counters since start: requests served and weight updates loaded (the trainer logs them per policy)."""
-        return {"requests": int(self.requests_served), "weight_updates": int(self.engine.num_weight_updates)}
+        """Counters since start: requests served, weight updates loaded and their bytes, and on a shared LoRA
+        base the requests per adapter (``requests:<adapter>``); the trainer logs them per policy."""
+        out = {"requests": int(self.requests_served), "weight_updates": int(self.engine.num_weight_updates),
+               "weight_bytes": int(self.engine.weight_bytes_loaded)}
+        out.update({f"requests:{name}": int(n) for name, n in self.requests_by_adapter.items()})
+        return out
 
     def set_global_steps(self, global_steps: int) -> None:
         self.global_steps = int(global_steps)
