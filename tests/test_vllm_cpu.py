@@ -410,6 +410,28 @@ def test_every_gpu_recipes_settings_run_on_cpu_with_vllm(tmp_path: Path, recipe_
               f"{d['training/rollout_probs_diff_mean']:.1e} episodes={d['mas/episodes']:.0f} step_s={d['timing_s/step']:.1f}")
 
 
+def test_one_resident_base_with_an_adapter_per_role_on_vllm_serves_each_role_its_adapter(tmp_path: Path,
+                                                                                        recipe_runs) -> None:
+    """Per-role LoRA on one shared base on verl's vLLM rollout: one server, one LoRA slot per policy (vLLM's
+    multi-LoRA serving), each request served by the adapter it names. ``mas.alpha=0`` holds the runner at
+    zero advantage: its adapter's B stays zero while the caller's moves, so a caller request served by the
+    runner's slot (or a sync landing in the wrong slot) shows up as the caller's rollout-vs-actor gap."""
+    import torch
+
+    # Step 1's syncs: the initial sync loads the base and then both adapters, then step 1's adapters.
+    run_dir, steps = _two_policy_run(recipe_runs, tmp_path, "vllm-shared-lora", "mas_policies=per_role_lora",
+                                     syncs_at_step_1=3.0, gap=1e-6)
+    ckpt = run_dir / "checkpoints" / "global_step_2" / "actor"
+    assert not (run_dir / "checkpoints" / "global_step_2" / "actor_runner").exists()  # one module, one folder
+    from safetensors.torch import load_file
+
+    adapters = {p: load_file(str(ckpt / "adapters" / p / "adapter_model.safetensors")) for p in ("caller", "runner")}
+    assert all(torch.count_nonzero(v) == 0 for k, v in adapters["runner"].items() if "lora_B" in k)
+    assert sum(int(torch.count_nonzero(v)) for k, v in adapters["caller"].items() if "lora_B" in k) > 0
+    # The caller's adapter was non-zero for step 2's rollout: its small gap there says its slot served it.
+    assert steps[-1]["data"]["policy/caller/training/rollout_probs_diff_mean"] < 1e-6
+
+
 def test_one_lora_adapter_per_role_on_vllm_serves_and_trains_each_roles_own_adapter(tmp_path: Path,
                                                                                    recipe_runs) -> None:
     """Per-role LoRA (one verl stack per adapter, each with its own vLLM server) on verl's vLLM rollout, the
@@ -417,7 +439,7 @@ def test_one_lora_adapter_per_role_on_vllm_serves_and_trains_each_roles_own_adap
     advantage: its adapter's B stays zero, while the caller's moves; each policy samples from its own adapter."""
     import torch
 
-    # One stack per adapter (a shared base on vLLM is not wired yet: docs/policies.md, "Not there yet").
+    # One stack per adapter, each with its own base and vLLM server (the shared base is the test above).
     unmerged = ["mas.lora_base=per_policy", *(f"mas.policies.{p}.model.lora.merge=false" for p in ("caller", "runner"))]
     # Step 1's syncs: the initial sync loads the base weights and then the adapter, then step 1's adapter.
     run_dir, _ = _two_policy_run(recipe_runs, tmp_path, "vllm-lora", "mas_policies=per_role_lora", *unmerged,

@@ -46,7 +46,7 @@ SHARED_BASE_OVERRIDES = (
     "rollout.temperature", "rollout.top_p", "rollout.top_k", "rollout.val_kwargs",  # sampled per request
 )
 #: Rollout backends that serve several adapters of one resident base.
-SHARED_BASE_ROLLOUTS = ("hf",)
+SHARED_BASE_ROLLOUTS = ("hf", "vllm")
 
 
 def adapter_tensor_name(policy: str, key: str) -> str:
@@ -147,8 +147,7 @@ def shared_base_plan(mas: Any, configs: Mapping[str, Any]) -> tuple[dict[str, di
     if backend not in SHARED_BASE_ROLLOUTS:
         problems.append(
             f"actor_rollout_ref.rollout.name={backend}: serving several adapters of one resident base is built for "
-            f"{list(SHARED_BASE_ROLLOUTS)} so far (vLLM's multi-LoRA serving is not wired yet). Use rollout.name=hf, "
-            f"{fix}."
+            f"{list(SHARED_BASE_ROLLOUTS)}. Use one of them, {fix}."
         )
     engine = first.rollout.get("checkpoint_engine", None) or {}
     if str(engine.get("backend", "naive")) != "naive":

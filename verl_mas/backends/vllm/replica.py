@@ -10,6 +10,7 @@ policy of several) it launches verl's server under verl's names; a tagged policy
 
 from __future__ import annotations
 
+import contextvars
 import os
 import sys
 from typing import Any
@@ -18,6 +19,7 @@ import ray
 from verl.workers.rollout.vllm_rollout.vllm_async_server import vLLMHttpServer, vLLMReplica
 
 from verl_mas.backends.vllm import server_name_prefix, weight_socket_job
+from verl_mas.policies.adapters import rollout_adapters
 from verl_mas.policies.configs import rollout_policy
 
 __all__ = ["PolicyVLLMHttpServer", "PolicyVLLMReplica"]
@@ -28,8 +30,31 @@ _JOB_ENV = "VERL_RAY_JOB_ID"
 _WEIGHT_SYNC_RPC = "update_weights_from_ipc"
 
 
+#: The adapter the current request names (a shared LoRA base); read by :class:`_AdapterEngine`.
+_REQUEST_ADAPTER: contextvars.ContextVar[str | None] = contextvars.ContextVar("mas_adapter", default=None)
+
+
+class _AdapterEngine:
+    """vLLM's engine client as verl's server calls it, each ``generate`` with the LoRA request of the adapter
+    the current request names (verl's server would pass its single slot's)."""
+
+    def __init__(self, engine: Any, ids: dict[str, int]) -> None:
+        self._engine, self._ids = engine, ids
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+    def generate(self, *args: Any, lora_request: Any = None, **kwargs: Any) -> Any:
+        from verl_mas.backends.vllm.lora import lora_request as adapter_request
+
+        adapter = _REQUEST_ADAPTER.get()
+        return self._engine.generate(*args, lora_request=adapter_request(adapter, self._ids), **kwargs)
+
+
 class PolicyVLLMHttpServer(vLLMHttpServer):
-    """verl's vLLM server actor, counting requests and weight syncs, on a tagged policy's own weight socket."""
+    """verl's vLLM server actor, counting requests and weight syncs, on a tagged policy's own weight socket; on
+    a shared LoRA base, one LoRA slot per policy and each request served by the adapter it names
+    (:mod:`verl_mas.backends.vllm.lora`)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -38,11 +63,59 @@ class PolicyVLLMHttpServer(vLLMHttpServer):
         os.environ[_JOB_ENV] = weight_socket_job(os.environ[_JOB_ENV], self.policy)
         self.requests_served = 0
         self.weight_updates = 0
+        self.adapters = rollout_adapters(self.config)  # None unless a shared LoRA base
+        self.requests_by_adapter: dict[str, int] = {}
+        self._loaded_adapters: set[int] = set()
 
-    async def generate(self, *args: Any, **kwargs: Any) -> Any:
-        out = await super().generate(*args, **kwargs)
+    def _get_worker_extension_cls(self) -> str:
+        if self.adapters:
+            from verl_mas.backends.vllm.lora import EXTENSION_PATH
+
+            return EXTENSION_PATH
+        return super()._get_worker_extension_cls()
+
+    async def run_server(self, args: Any) -> None:
+        if self.adapters:
+            from verl.workers.rollout.vllm_rollout.utils import get_vllm_max_lora_rank
+
+            args.max_loras = len(self.adapters)
+            args.max_lora_rank = get_vllm_max_lora_rank(max(int(a["rank"]) for a in self.adapters.values()))
+        await super().run_server(args)
+        if self.adapters:
+            from verl_mas.backends.vllm.lora import adapter_ids
+
+            self.engine = _AdapterEngine(self.engine, adapter_ids(self.adapters))
+
+    async def generate(self, *args: Any, adapter: str | None = None, **kwargs: Any) -> Any:
+        if self.adapters:
+            await self._check_adapter(adapter)
+        elif adapter is not None:
+            raise ValueError(f"A request asked for adapter {adapter!r}, but this vLLM server serves one model "
+                             "(adapters of one base come with mas.lora_base=shared).")
+        token = _REQUEST_ADAPTER.set(adapter)
+        try:
+            out = await super().generate(*args, **kwargs)
+        finally:
+            _REQUEST_ADAPTER.reset(token)
         self.requests_served += 1
+        if adapter is not None:
+            self.requests_by_adapter[adapter] = self.requests_by_adapter.get(adapter, 0) + 1
         return out
+
+    async def _check_adapter(self, adapter: str | None) -> None:
+        from verl_mas.backends.vllm.lora import adapter_ids
+
+        ids = adapter_ids(self.adapters)
+        if adapter is None or adapter not in ids:
+            raise ValueError(
+                f"This vLLM server serves a shared LoRA base with adapters {list(ids)}; a request must name one "
+                f"(adapter=<policy>), got {adapter!r}. The mas agent loop names each role's adapter."
+            )
+        if ids[adapter] not in self._loaded_adapters:
+            self._loaded_adapters = set(await self.engine.list_loras())
+            if ids[adapter] not in self._loaded_adapters:
+                raise ValueError(f"adapter {adapter!r} (LoRA id {ids[adapter]}) is not loaded in vLLM yet; the trainer "
+                                 "syncs every adapter before the first rollout.")
 
     async def collective_rpc(self, method: Any, *args: Any, **kwargs: Any) -> Any:
         out = await super().collective_rpc(method, *args, **kwargs)
@@ -51,8 +124,11 @@ class PolicyVLLMHttpServer(vLLMHttpServer):
         return out
 
     def stats(self) -> dict[str, int]:
-        """Counters since start: requests served and weight syncs loaded (the trainer logs them per policy)."""
-        return {"requests": int(self.requests_served), "weight_updates": int(self.weight_updates)}
+        """Counters since start: requests served and weight syncs loaded, and on a shared LoRA base the requests
+        per adapter (``requests:<adapter>``); the trainer logs them per policy."""
+        out = {"requests": int(self.requests_served), "weight_updates": int(self.weight_updates)}
+        out.update({f"requests:{name}": int(n) for name, n in self.requests_by_adapter.items()})
+        return out
 
     def weight_socket_job(self) -> str:
         """The job part of this server's weight socket path (tests compare it with the adapter's)."""
