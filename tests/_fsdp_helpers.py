@@ -333,12 +333,13 @@ def _scenario(workdir: Path) -> dict[str, Any]:
     }
 
 
-def main(argv: list[str]) -> int:
+def scenario_main(scenario: Any, argv: list[str]) -> int:
+    """A scenario script's entry point: run ``scenario(WORKDIR)`` and write its result to ``WORKDIR/result.json``."""
     workdir = Path(argv[1]).resolve()
-    result = _scenario(workdir)
+    result = scenario(workdir)
     (workdir / "result.json").write_text(json.dumps(result, indent=1, default=float))
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv))
+    sys.exit(scenario_main(_scenario, sys.argv))

@@ -15,13 +15,12 @@ Writes ``WORKDIR/result.json``, the tiny model under ``WORKDIR/tiny`` and checkp
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from _fsdp_helpers import ADVANTAGES, FixedBatch, actor_overrides
+from _fsdp_helpers import ADVANTAGES, FixedBatch, actor_overrides, scenario_main
 
 RANKS = {"caller": 4, "runner": 2}
 ALPHAS = {"caller": 8, "runner": 4}
@@ -177,12 +176,5 @@ def _greedy(max_tokens: int) -> Any:
     return SamplingSettings(max_tokens=max_tokens, temperature=0.0)
 
 
-def main(argv: list[str]) -> int:
-    workdir = Path(argv[1]).resolve()
-    result = _scenario(workdir)
-    (workdir / "result.json").write_text(json.dumps(result, indent=1, default=float))
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main(sys.argv))
+    sys.exit(scenario_main(_scenario, sys.argv))

@@ -437,7 +437,7 @@ def _lora_arr(**rollout: object) -> object:
     return OmegaConf.create({
         "model": {"path": "/models/base", "lora_rank": 0, "lora_alpha": 16, "lora": {"merge": False},
                   "lora_adapter_path": None, "use_remove_padding": True},
-        "actor": {"optim": {"lr": 1e-6, "weight_decay": 0.01}, "clip_ratio": 0.2, "ppo_epochs": 1},
+        "actor": {"optim": {"lr": 1e-6, "weight_decay": 0.01}, "clip_ratio": 0.2, "ppo_epochs": 1, "strategy": "fsdp2"},
         "rollout": {"name": "hf", "custom": None, "temperature": 1.0,
                     "checkpoint_engine": {"backend": "naive"}, **rollout},
         "ref": {},
@@ -482,12 +482,14 @@ def test_a_shared_base_refuses_what_one_worker_group_cannot_do_per_adapter() -> 
     mas = _lora_mas(runner={"model": {"path": "/models/other", "lora": {"merge": True}},
                             "actor": {"clip_ratio": 0.3, "ppo_epochs": 2}})
     arr = _lora_arr(name="sglang", checkpoint_engine={"backend": "nccl"})
+    arr.actor.strategy = "fsdp"
     plan, problems = shared_base_plan(mas, policy_configs(arr, mas))
     text = "\n".join(problems)
     assert "mas.policies.runner.actor.clip_ratio is 0.3 but caller's is 0.2" in text  # a loss setting: shared
     assert "mas.policies.runner.actor.ppo_epochs" not in text  # sent with each policy's update: allowed
     assert "mas.policies.runner.model.path is '/models/other'" in text
     assert "rollout.name=sglang" in text and "checkpoint_engine.backend=nccl" in text
+    assert "actor.strategy=fsdp: a shared base gives each adapter an optimiser" in text
     assert all("mas.lora_base=per_policy" in p for p in problems if "peft names" not in p)
     # The same key set to the same value everywhere is fine: the worker group reads one value.
     same = _lora_mas(runner={"actor": {"clip_ratio": 0.2}})

@@ -428,8 +428,23 @@ def test_one_resident_base_with_an_adapter_per_role_on_vllm_serves_each_role_its
     adapters = {p: load_file(str(ckpt / "adapters" / p / "adapter_model.safetensors")) for p in ("caller", "runner")}
     assert all(torch.count_nonzero(v) == 0 for k, v in adapters["runner"].items() if "lora_B" in k)
     assert sum(int(torch.count_nonzero(v)) for k, v in adapters["caller"].items() if "lora_B" in k) > 0
-    # The caller's adapter was non-zero for step 2's rollout: its small gap there says its slot served it.
-    assert steps[-1]["data"]["policy/caller/training/rollout_probs_diff_mean"] < 1e-6
+    synced = steps[-1]["data"]["policy/caller/training/rollout_probs_diff_mean"]
+    # Negative control: the same run with each request served by the other policy's adapter. At step 1 both
+    # adapters are still zero (B = 0 at creation) and the swap is invisible; at step 2 the caller's adapter has
+    # moved and its requests, answered by the runner's zero adapter, show a gap far above the synced one.
+    swapped_dir = tmp_path / "swapped"
+    swapped_dir.mkdir()
+    _tiny(swapped_dir / "model", "--hidden-size", "128", "--vocab-from", "relay-v0")
+    proc, metrics = recipe_runs.run(
+        REPO / "recipes" / "at_grpo_cpu" / "run.sh", swapped_dir, *recipe_runs.relay_shape, *VLLM,
+        f"data.train_batch_size={TASKS}", "mas.alpha=0", "mas_policies=per_role_lora",
+        python=_vllm_python(), steps=2, VERL_MAS_VLLM_SWAP_ADAPTERS="1")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    gaps = [m["data"]["policy/caller/training/rollout_probs_diff_mean"] for m in metrics
+            if "mas/success_rate" in m["data"]]
+    print(f"[vllm-shared-lora] caller gap with swapped adapters: {gaps[0]:.1e} (both zero), {gaps[1]:.1e} "
+          f"(synced run: {synced:.1e})")
+    assert gaps[0] < 1e-6 and gaps[1] > max(100 * synced, 1e-6)
 
 
 def test_one_lora_adapter_per_role_on_vllm_serves_and_trains_each_roles_own_adapter(tmp_path: Path,

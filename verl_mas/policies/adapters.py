@@ -149,6 +149,13 @@ def shared_base_plan(mas: Any, configs: Mapping[str, Any]) -> tuple[dict[str, di
             f"actor_rollout_ref.rollout.name={backend}: serving several adapters of one resident base is built for "
             f"{list(SHARED_BASE_ROLLOUTS)}. Use one of them, {fix}."
         )
+    strategy = str((first.get("actor", None) or {}).get("strategy", "fsdp2"))
+    if strategy != "fsdp2":
+        problems.append(
+            f"actor_rollout_ref.actor.strategy={strategy}: a shared base gives each adapter an optimiser over its own "
+            "parameters, which needs FSDP2's per-parameter sharding (FSDP1 flattens them together). Set "
+            f"actor.strategy=fsdp2, {fix}."
+        )
     engine = first.rollout.get("checkpoint_engine", None) or {}
     if str(engine.get("backend", "naive")) != "naive":
         problems.append(

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["ADAPTER_PATH", "BACKEND_NAME", "FREEZE_WEIGHTS_ENV", "PLUGIN_NAME", "WEIGHT_SYNC_TIMEOUT_ENV",
+__all__ = ["ADAPTER_PATH", "BACKEND_NAME", "FREEZE_WEIGHTS_ENV", "PLUGIN_NAME", "SWAP_ADAPTERS_ENV", "WEIGHT_SYNC_TIMEOUT_ENV",
            "load_replica_class", "server_name_prefix", "weight_socket_job"]
 
 #: ``actor_rollout_ref.rollout.name`` of verl's vLLM rollout.
@@ -43,6 +43,9 @@ PLUGIN_NAME = "verl_mas"
 #: Diagnostic only: with ``=1`` the vLLM workers receive every weight sync and load none of it, so the rollout
 #: keeps sampling from the initial weights (the tests use it to show the rollout-vs-actor check can fail).
 FREEZE_WEIGHTS_ENV = "VERL_MAS_VLLM_FREEZE_WEIGHTS"
+#: Diagnostic only: with ``=1`` a shared LoRA base's server answers each request with the *next* policy's adapter
+#: (the tests use it to show that the per-policy rollout-vs-actor check catches adapters served to the wrong role).
+SWAP_ADAPTERS_ENV = "VERL_MAS_VLLM_SWAP_ADAPTERS"
 #: Seconds a trainer rank waits for the vLLM side to acknowledge one weight bucket before the sync fails
 #: (default 900). The rank that holds the server handle fails as soon as the server reports an error.
 WEIGHT_SYNC_TIMEOUT_ENV = "VERL_MAS_VLLM_WEIGHT_SYNC_TIMEOUT_S"

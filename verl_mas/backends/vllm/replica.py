@@ -11,6 +11,7 @@ policy of several) it launches verl's server under verl's names; a tagged policy
 from __future__ import annotations
 
 import contextvars
+import logging
 import os
 import sys
 from typing import Any
@@ -18,11 +19,13 @@ from typing import Any
 import ray
 from verl.workers.rollout.vllm_rollout.vllm_async_server import vLLMHttpServer, vLLMReplica
 
-from verl_mas.backends.vllm import server_name_prefix, weight_socket_job
+from verl_mas.backends.vllm import SWAP_ADAPTERS_ENV, server_name_prefix, weight_socket_job
 from verl_mas.policies.adapters import rollout_adapters
 from verl_mas.policies.configs import rollout_policy
 
 __all__ = ["PolicyVLLMHttpServer", "PolicyVLLMReplica"]
+
+logger = logging.getLogger(__name__)
 
 #: The environment variable verl's server sets and its vLLM workers read to name their weight socket.
 _JOB_ENV = "VERL_RAY_JOB_ID"
@@ -38,8 +41,11 @@ class _AdapterEngine:
     """vLLM's engine client as verl's server calls it, each ``generate`` with the LoRA request of the adapter
     the current request names (verl's server would pass its single slot's)."""
 
-    def __init__(self, engine: Any, ids: dict[str, int]) -> None:
+    def __init__(self, engine: Any, ids: dict[str, int], swap: bool = False) -> None:
         self._engine, self._ids = engine, ids
+        # SWAP_ADAPTERS_ENV (diagnostic): each policy served with the next policy's adapter.
+        names = list(ids)
+        self._serve = {p: names[(i + 1) % len(names)] if swap else p for i, p in enumerate(names)}
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._engine, name)
@@ -48,7 +54,7 @@ class _AdapterEngine:
         from verl_mas.backends.vllm.lora import lora_request as adapter_request
 
         adapter = _REQUEST_ADAPTER.get()
-        return self._engine.generate(*args, lora_request=adapter_request(adapter, self._ids), **kwargs)
+        return self._engine.generate(*args, lora_request=adapter_request(self._serve[adapter], self._ids), **kwargs)
 
 
 class PolicyVLLMHttpServer(vLLMHttpServer):
@@ -84,7 +90,11 @@ class PolicyVLLMHttpServer(vLLMHttpServer):
         if self.adapters:
             from verl_mas.backends.vllm.lora import adapter_ids
 
-            self.engine = _AdapterEngine(self.engine, adapter_ids(self.adapters))
+            swap = os.environ.get(SWAP_ADAPTERS_ENV, "0").lower() in ("1", "true", "yes")
+            if swap:
+                logger.warning("%s is set: every request is served with ANOTHER policy's adapter (a diagnostic for "
+                               "the per-policy rollout-vs-actor check); unset it for training.", SWAP_ADAPTERS_ENV)
+            self.engine = _AdapterEngine(self.engine, adapter_ids(self.adapters), swap=swap)
 
     async def generate(self, *args: Any, adapter: str | None = None, **kwargs: Any) -> Any:
         if self.adapters:
