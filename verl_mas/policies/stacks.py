@@ -353,22 +353,25 @@ class MultiPolicyTrainer:
         if not self.mas.multi_policy:
             return {}
         out: dict[str, float] = {}
-        weight_bytes, counted = 0.0, set()
+        weight_bytes, servers = 0.0, {}  # the adapters of a shared base read one rollout's counters once
         for name, stack in self.stacks.items():
-            totals: dict[str, int] = defaultdict(int)
-            for replica in stack.server_manager.get_replicas():
-                handle = getattr(replica, "_server_handle", None)
-                if handle is None or not hasattr(handle, "stats"):
-                    return {}
-                for k, v in ray.get(handle.stats.remote()).items():
-                    totals[k] += int(v)
+            first_read = id(stack.server_manager) not in servers
+            if first_read:
+                totals: dict[str, int] = defaultdict(int)
+                for replica in stack.server_manager.get_replicas():
+                    handle = getattr(replica, "_server_handle", None)
+                    if handle is None or not hasattr(handle, "stats"):
+                        return {}
+                    for k, v in ray.get(handle.stats.remote()).items():
+                        totals[k] += int(v)
+                servers[id(stack.server_manager)] = totals
+            totals = servers[id(stack.server_manager)]
             # On a shared base the one rollout counts each adapter's requests.
             served = totals[f"requests:{stack.adapter}"] if stack.shares_base else totals["requests"]
             last = self._last_server_stats.get(name, {})
             out[f"policy/{name}/rollout/requests"] = float(served - last.get("served", 0))
             out[f"policy/{name}/rollout/weight_updates"] = float(totals["weight_updates"] - last.get("weight_updates", 0))
-            if id(stack.server_manager) not in counted:
-                counted.add(id(stack.server_manager))
+            if first_read:
                 weight_bytes += totals["weight_bytes"] - last.get("weight_bytes", 0)
             self._last_server_stats[name] = {"served": served, "weight_updates": totals["weight_updates"],
                                              "weight_bytes": totals["weight_bytes"]}
