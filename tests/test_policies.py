@@ -465,6 +465,11 @@ def test_lora_policies_on_one_base_share_it_with_an_adapter_each() -> None:
     assert plan == {"caller": {"rank": 8, "alpha": 16, "optim": {}},
                     "runner": {"rank": 4, "alpha": 8, "optim": {"lr": 2e-3}}}
     assert list(plan) == ["caller", "runner"]
+    # A key only the first policy overrides: the others keep the recipe's value, not the first's.
+    first_only = MasConfig.from_mapping({**TWO, "policies": {
+        "caller": {"model": {"lora_rank": 8}, "actor": {"optim": {"lr": 1e-2}}}, "runner": {"model": {"lora_rank": 8}}}})
+    plan = shared_base_plan(first_only, policy_configs(_lora_arr(), first_only))[0]
+    assert plan["caller"]["optim"] == {} and plan["runner"]["optim"] == {"lr": 1e-6}
     # Not shared: mas.lora_base=per_policy, full models, a LoRA policy next to a full model, one policy.
     per_policy = _lora_mas(lora_base="per_policy")
     assert shared_base_plan(per_policy, policy_configs(_lora_arr(), per_policy)) == (None, [])

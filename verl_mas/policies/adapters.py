@@ -12,7 +12,7 @@ share one verl worker group and one set of rollout servers instead of a stack ea
 
 This module decides, from the config alone, whether a run shares its base and what each adapter is. The
 plan travels to the worker group and to the rollout servers in ``actor_rollout_ref.rollout.custom`` under
-:data:`ADAPTERS_KEY`: ``{policy: {"rank": r, "alpha": a, "optim": {...overrides of actor.optim}}}``, the
+:data:`ADAPTERS_KEY`: ``{policy: {"rank": r, "alpha": a, "optim": {...keys of actor.optim that differ from the first's}}}``, the
 first policy first (peft names its adapter ``"default"``, :data:`FIRST_ADAPTER`).
 
 What a policy on a shared base may set differently from the others (:data:`SHARED_BASE_OVERRIDES`) is what
@@ -162,23 +162,20 @@ def shared_base_plan(mas: Any, configs: Mapping[str, Any]) -> tuple[dict[str, di
             f"actor_rollout_ref.rollout.checkpoint_engine.backend={engine.get('backend')}: a shared base syncs its "
             "adapters through verl's colocated (naive) weight update. Set it to naive, " + fix + "."
         )
+    # Each adapter's optimiser: the first policy's (verl's actor.optim) with what this policy resolves to
+    # differently (the recipe's value where only the first policy overrides a key). The step count of the
+    # schedule is set by verl at run time on the first policy's config and is shared.
+    first_optim = _select(first, "actor.optim") or {}
     plan = {
         name: {
             "rank": lora_rank(configs[name].model),
             "alpha": _lora_alpha(configs[name].model),
-            "optim": _plain(((mas.policies.get(name) or {}).get("actor") or {}).get("optim") or {}),
+            "optim": {k: v for k, v in (_select(configs[name], "actor.optim") or {}).items()
+                      if k not in ("_target_", "total_training_steps") and first_optim.get(k) != v},
         }
         for name in names
     }
     return plan, problems
-
-
-def _plain(value: Any) -> Any:
-    if isinstance(value, Mapping):
-        return {str(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    return value
 
 
 def rollout_adapters(rollout_config: Any) -> dict[str, dict[str, Any]] | None:
