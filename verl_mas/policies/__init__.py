@@ -8,6 +8,9 @@ reaches which policy is :mod:`verl_mas.routing`'s business). Three levels, by co
   policy's overrides) and what a policy may not change; light, imported here.
 - :mod:`verl_mas.policies.stacks`: a verl actor/rollout stack per further policy and the trainer hooks that
   drive them (imports verl's trainer pieces; imported by :mod:`verl_mas.trainer`).
+- :mod:`verl_mas.policies.adapters`: whether LoRA policies share one resident base (``mas.lora_base``) and
+  what each adapter is; light. :mod:`verl_mas.policies.lora_worker`: verl's actor worker holding that base
+  once and an adapter and optimiser per policy (imports verl's workers).
 """
 
 from __future__ import annotations

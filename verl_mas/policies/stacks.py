@@ -10,7 +10,9 @@ knows about several policies. It overrides verl's trainer hooks to build the sta
 a client that routes each role to its policy's servers (:mod:`verl_mas.routing`), split every batch by
 policy for balancing, log-probs and updates (:meth:`MultiPolicyTrainer._per_policy`, on a per-policy
 *view* of the trainer), sync and sleep every policy's rollout, and save/load every policy with the step
-(the first in ``actor/`` as verl does, the others in ``actor_<policy>/``). Metrics of a per-policy
+(the first in ``actor/`` as verl does, the others in ``actor_<policy>/``). LoRA policies on one shared base
+(:mod:`verl_mas.policies.adapters`) get no stack of their own: each is an adapter in the first policy's worker
+group and rollout, activated before its log-probs and update. Metrics of a per-policy
 computation are logged as ``policy/<name>/<metric>``; verl's own names carry the mean over policies. With
 one policy every hook is verl's own behaviour.
 """
