@@ -240,7 +240,7 @@ def test_unknown_rollout_lists_the_available_ones(name: str) -> None:
 
 
 #: Modules that import vLLM: importable only in the vLLM environment (tests/test_vllm_cpu.py imports them there).
-VLLM_ONLY = {"verl_mas.backends.vllm.adapter", "verl_mas.backends.vllm.replica"}
+VLLM_ONLY = {"verl_mas.backends.vllm.adapter", "verl_mas.backends.vllm.lora", "verl_mas.backends.vllm.replica"}
 
 
 def _every_module() -> list[str]:
