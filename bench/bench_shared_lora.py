@@ -66,7 +66,7 @@ def main() -> int:
     from verl.workers.engine_workers import ActorRolloutRefWorker
 
     from verl_mas.backends.hf.engine import HFGenerationEngine
-    from verl_mas.policies.adapters import ADAPTERS_KEY, split_adapter_tensor_name
+    from verl_mas.policies.adapters import ADAPTERS_KEY, tensors_by_adapter
     from verl_mas.policies.lora_worker import SharedBaseLoraWorker
     from verl_mas.tiny import write_tiny
 
@@ -108,10 +108,7 @@ def main() -> int:
         batch = FixedBatch(shared.actor.engine.module.config.vocab_size)
         actor_shared = shared.mas_adapter_report()["resident_param_bytes"]
         tensors, peft_config = shared.actor.engine.get_per_tensor_param(base_sync_done=True)
-        by_adapter: dict[str, dict[str, torch.Tensor]] = {p: {} for p in names}
-        for name, tensor in tensors:
-            policy, key = split_adapter_tensor_name(name)
-            by_adapter[policy][key] = tensor.detach().cpu()
+        by_adapter = tensors_by_adapter(tensors, names, prepare=lambda t: t.detach().cpu())
         rollout = HFGenerationEngine.from_pretrained(str(model))
         rollout.load_adapters(by_adapter, peft_config[ADAPTERS_KEY])
         rollout_shared = param_bytes(rollout.model)

@@ -37,7 +37,7 @@ def _scenario(workdir: Path) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM
 
     from verl_mas.backends.hf.engine import HFGenerationEngine
-    from verl_mas.policies.adapters import ADAPTERS_KEY, split_adapter_tensor_name
+    from verl_mas.policies.adapters import ADAPTERS_KEY, tensors_by_adapter
     from verl_mas.policies.lora_worker import ADAPTERS_DIR, SharedBaseLoraWorker
     from verl_mas.tiny import write_tiny
 
@@ -92,10 +92,7 @@ def _scenario(workdir: Path) -> dict[str, Any]:
     tensors, peft_config = engine.get_per_tensor_param(base_sync_done=True)
     tensors = list(tensors)
     out["sync_names_without_policy"] = [n for n, _ in tensors if ":" not in n]
-    by_adapter: dict[str, dict[str, torch.Tensor]] = {p: {} for p in RANKS}
-    for name, tensor in tensors:
-        policy, key = split_adapter_tensor_name(name)
-        by_adapter[policy][key] = tensor.detach().cpu()
+    by_adapter = tensors_by_adapter(tensors, RANKS, prepare=lambda t: t.detach().cpu())
     out["sync_bytes"] = {p: sum(t.numel() * t.element_size() for t in d.values()) for p, d in by_adapter.items()}
     out["sync_base_like_names"] = [n for n, _ in tensors if "lora_" not in n]
     out["base_param_bytes"] = sum(p.numel() * p.element_size() for p in base_model.parameters())

@@ -12,24 +12,26 @@ share one verl worker group and one set of rollout servers instead of a stack ea
 
 This module decides, from the config alone, whether a run shares its base and what each adapter is. The
 plan travels to the worker group and to the rollout servers in ``actor_rollout_ref.rollout.custom`` under
-:data:`ADAPTERS_KEY`: ``{policy: {"rank": r, "alpha": a, "optim": {...keys of actor.optim that differ from the first's}}}``, the
-first policy first (peft names its adapter ``"default"``, :data:`FIRST_ADAPTER`).
+:data:`ADAPTERS_KEY`: ``{policy: {"rank": r, "alpha": a, "optim": {...}}}`` (``optim``: the keys of
+``actor.optim`` that differ from the first policy's), the first policy first (peft names its adapter ``"default"``, :data:`FIRST_ADAPTER`).
 
 What a policy on a shared base may set differently from the others (:data:`SHARED_BASE_OVERRIDES`) is what
 the one worker group can apply per adapter or what the trainer reads per policy; anything else (a loss
 setting, micro-batch sizes, the model's dtype) is read once by the worker group for every adapter, so it must
-be the same for every policy; a policy that sets it differently is refused at start-up, with ``mas.lora_base=per_policy`` (a stack per adapter, one base copy each) as the fix.
+be the same for every policy; a policy that sets it differently is refused at start-up, with
+``mas.lora_base=per_policy`` (a stack per adapter, one base copy each) as the fix.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from verl_mas.config import LORA_BASES
 
-__all__ = ["ADAPTER_SEP", "ADAPTERS_KEY", "FIRST_ADAPTER", "adapter_tensor_name", "split_adapter_tensor_name", "LORA_BASES", "SHARED_BASE_OVERRIDES", "adapter_plan",
-           "lora_rank", "rollout_adapters", "shared_base_plan"]
+__all__ = ["ADAPTER_SEP", "ADAPTERS_KEY", "FIRST_ADAPTER", "LORA_BASES", "SHARED_BASE_OVERRIDES", "adapter_plan",
+           "adapter_tensor_name", "lora_rank", "rollout_adapters", "shared_base_plan", "split_adapter_tensor_name",
+           "tensors_by_adapter"]
 
 #: Key of ``actor_rollout_ref.rollout.custom`` holding the adapters of a shared base (see the module docstring).
 ADAPTERS_KEY = "mas_adapters"
@@ -58,6 +60,22 @@ def split_adapter_tensor_name(name: str) -> tuple[str, str]:
     if not sep:
         raise ValueError(f"{name!r} is not an adapter tensor name ('<policy>{ADAPTER_SEP}<peft key>')")
     return policy, key
+
+
+def tensors_by_adapter(named: Iterable[tuple[str, Any]], adapters: Iterable[str],
+                       prepare: Callable[[Any], Any] = lambda t: t) -> dict[str, dict[str, Any]]:
+    """A sync's ``"<policy>:<peft key>"`` tensors grouped by policy (``{policy: {peft key: prepare(tensor)}}``).
+
+    Raises:
+        ValueError: a tensor names a policy that is not one of ``adapters``.
+    """
+    out: dict[str, dict[str, Any]] = {name: {} for name in adapters}
+    for name, tensor in named:
+        policy, key = split_adapter_tensor_name(name)
+        if policy not in out:
+            raise ValueError(f"adapter sync sent {name!r}, but the adapters of this base are {sorted(out)}")
+        out[policy][key] = prepare(tensor)
+    return out
 
 
 def lora_rank(model: Any) -> int:

@@ -33,7 +33,7 @@ import transfer_queue as tq
 from omegaconf import open_dict
 
 from verl_mas.config import MasConfig
-from verl_mas.policies.adapters import adapter_plan
+from verl_mas.policies.adapters import adapter_plan, lora_rank
 from verl_mas.routing import PolicyRouterClient, SessionRoutedClient
 from verl_mas.rows import rows_from_verl
 
@@ -139,8 +139,7 @@ class MultiPolicyTrainer:
         from verl.workers.engine_workers import ActorRolloutRefWorker
         from verl.workers.rollout.llm_server import LLMServerManager
 
-        lora_rank = arr.model.get("lora", {}).get("rank", 0) or arr.model.get("lora_rank", 0)
-        ref_in_actor = lora_rank > 0 or arr.model.get("lora_adapter_path") is not None
+        ref_in_actor = lora_rank(arr.model) > 0 or arr.model.get("lora_adapter_path") is not None
         role = Role.ActorRolloutRef if self.use_reference_policy and not ref_in_actor else Role.ActorRollout
         pools = self.resource_pool_manager.resource_pool_dict
         pool_name = _pool_name(name) if _pool_name(name) in pools else self._verl_pool_name()

@@ -19,7 +19,7 @@ import torch
 from verl.workers.rollout.base import BaseRollout
 
 from verl_mas.backends.hf.server import server_actor_name
-from verl_mas.policies.adapters import ADAPTER_SEP, ADAPTERS_KEY, split_adapter_tensor_name
+from verl_mas.policies.adapters import ADAPTER_SEP, ADAPTERS_KEY, tensors_by_adapter
 from verl_mas.policies.configs import rollout_policy
 
 logger = logging.getLogger(__name__)
@@ -89,10 +89,7 @@ class HFServerAdapter(BaseRollout):
             return
         start = time.perf_counter()
         if adapters is not None and tensors and ADAPTER_SEP in tensors[0][0]:
-            by_adapter: dict[str, dict[str, torch.Tensor]] = {name: {} for name in adapters}
-            for name, tensor in tensors:
-                policy, key = split_adapter_tensor_name(name)
-                by_adapter[policy][key] = tensor
+            by_adapter = tensors_by_adapter(tensors, adapters)
             loaded = await self._server_handle().update_adapters.remote(by_adapter, adapters, global_steps)
         else:  # full weights (or, on a shared base started without weights, the base once)
             loaded = await self._server_handle().update_weights.remote(tensors, global_steps)

@@ -22,7 +22,7 @@ from typing import Any
 
 from verl.workers.rollout.vllm_rollout.utils import VLLM_LORA_PATH, vLLMColocateWorkerExtension
 
-from verl_mas.policies.adapters import ADAPTERS_KEY, split_adapter_tensor_name
+from verl_mas.policies.adapters import ADAPTERS_KEY, tensors_by_adapter
 
 logger = logging.getLogger(__name__)
 
@@ -53,11 +53,9 @@ class MultiLoraWorkerExtension(vLLMColocateWorkerExtension):
             return super()._update_weights(weights, peft_config=peft_config, base_sync_done=base_sync_done)
         from verl.utils.vllm import TensorLoRARequest
 
-        by_policy: dict[str, dict[str, Any]] = {name: {} for name in adapters}
-        for name, tensor in (weights.items() if isinstance(weights, dict) else weights):
-            policy, key = split_adapter_tensor_name(name)
-            # Clone out of the receiver's reused transfer buffer: add_lora keeps the tensors.
-            by_policy[policy][key] = tensor.clone()
+        # Cloned out of the receiver's reused transfer buffer: add_lora keeps the tensors.
+        by_policy = tensors_by_adapter(weights.items() if isinstance(weights, dict) else weights, adapters,
+                                       prepare=lambda t: t.clone())
         ids = adapter_ids(adapters)
         for policy, tensors in by_policy.items():
             if not tensors:
