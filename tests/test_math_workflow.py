@@ -184,3 +184,50 @@ def test_an_answer_too_expensive_to_check_is_no_match_and_the_episode_finishes(t
     assert out["reasoner"] == pytest.approx([0.2]) and out["tool"] == pytest.approx([2.0])
     assert out["metrics"]["mas/success"] == 0.0 and out["metrics"]["mas/math/agreed"] == 0.0
     assert out["truncated"] and not out["problems"]
+
+
+#: A user's script with no ``if __name__ == "__main__":`` guard: module-level code runs a math-v0 episode.
+UNGUARDED_SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    from verl_mas.testing import ScriptedLLM, run_workflow
+
+    print("the script body ran")
+    task, tool = json.loads(sys.argv[1]), sys.argv[2]
+    llm = ScriptedLLM({"reasoner": "so \\\\boxed{1/2}", "tool": tool})
+    ep = run_workflow("math-v0", task, llm=llm, branching=1, max_turns=1)
+    reasoner, tool = ep.turns[0]
+    print(json.dumps({"aborted": ep.aborted, "error": ep.error, "metrics": ep.metrics,
+                      "reasoner": reasoner.rewards, "tool": tool.rewards}))
+    """
+)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("entry", ["stdin", "file"])
+def test_a_math_episode_runs_from_a_script_without_a_main_guard(entry: str, tmp_path) -> None:  # noqa: ANN001
+    """``python - <<EOF`` (stdin) or ``python script.py`` with no ``__main__`` guard: the answer checks run in
+    worker processes, which used to import the main module again, so the worker re-ran the script (or, for
+    stdin, failed to find the file ``<stdin>``) and died: every episode aborted with "the answer-checking
+    pool broke ... All workers expired". The workers no longer import the caller's ``__main__``.
+    """
+    args = [json.dumps(TASK), TOOL_RIGHT]
+    if entry == "stdin":
+        command, stdin = [sys.executable, "-", *args], UNGUARDED_SCRIPT
+    else:
+        path = tmp_path / "unguarded.py"
+        path.write_text(UNGUARDED_SCRIPT)
+        command, stdin = [sys.executable, str(path), *args], None
+    try:
+        done = subprocess.run(command, input=stdin, capture_output=True, text=True, timeout=90, cwd=tmp_path)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"the {entry} script did not finish within {e.timeout} s")
+    assert done.returncode == 0, done.stderr[-3000:]
+    # Once, by the interpreter itself: a worker that re-ran the script would print it again (stdout is inherited).
+    assert done.stdout.count("the script body ran") == 1, done.stdout[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert not out["aborted"], out["error"]
+    # Both right, so the answers agree and the episode ends after turn 0 with success.
+    # Reasoner: team 1 + (0.2 * format 1 + 0.8 * match 1) = 2.0. Tool: 1 + (0.1 + 0.1 + 0.8) = 2.0.
+    assert out["reasoner"] == pytest.approx([2.0]) and out["tool"] == pytest.approx([2.0])
+    assert out["metrics"]["mas/success"] == 1.0 and out["metrics"]["mas/math/agreed"] == 1.0

@@ -185,6 +185,41 @@ async def test_bad_arguments_are_rejected(pool, monkeypatch) -> None:
         await pool.run(os.getpid, timeout_s=30)
 
 
+async def test_a_function_of_the_main_module_is_refused_at_once(pool) -> None:
+    # The workers do not import __main__, so they could not unpickle such a function: refused before it is sent.
+    def check() -> int:
+        return 1
+
+    check.__module__ = "__main__"  # what a function defined in a script, on stdin or in a notebook has
+    with pytest.raises(ValueError, match=r"check is defined in the main module .* Move it into an importable module"):
+        await pool.run(check, timeout_s=30)
+    assert isinstance(await pool.run(os.getpid, timeout_s=30), int)  # negative control: an importable function runs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("start_method", ["forkserver", "spawn"])
+def test_workers_do_not_import_the_callers_main_module(start_method: str) -> None:
+    # A script on stdin (`python -`), no __main__ guard. A worker that re-created the main module would look for
+    # the file "<stdin>" and die before its first task (every check: "All workers expired"), or, for a script
+    # file, run the script's module-level code again.
+    script = textwrap.dedent(
+        f"""
+        import asyncio, json, os
+        from verl_mas.verify import CheckPool
+
+        print("the script body ran")
+        pool = CheckPool(workers=1, start_method={start_method!r})
+        pid = asyncio.run(pool.run(os.getpid, timeout_s=30))
+        print(json.dumps({{"worker": pid, "script": os.getpid()}}))
+        """
+    )
+    done = subprocess.run([sys.executable, "-"], input=script, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("the script body ran") == 1, done.stdout[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["worker"] != out["script"]  # the check ran, in a worker process
+
+
 def test_the_pool_shuts_down_at_interpreter_exit(tmp_path) -> None:
     # A fresh interpreter uses the default pool, leaves a check stuck in a worker and exits: it must exit
     # promptly (no hang) and leave no worker behind.

@@ -33,10 +33,11 @@ calls their :data:`WARM_UP_HOOK`), so a replacement after a timeout is warm too.
 killed when its parent, the forkserver, exits (``PR_SET_PDEATHSIG``), which it does when this process
 dies: a stuck check never outlives a killed trainer.
 
-Functions must be picklable by reference (module-level functions of an importable module) and their
-arguments and results picklable. ``VERL_MAS_CHECK_WORKERS`` sets the default pool's size. As with any
-``forkserver``/``spawn`` pool, the main module is imported again in the pool's processes: a script that runs
-episodes in-process needs the ``if __name__ == "__main__":`` guard.
+Unlike a plain ``forkserver``/``spawn`` pool, the workers never import the caller's main module again, so
+checks work from any entry point: a script without the ``if __name__ == "__main__":`` guard, ``python -``
+fed on stdin, a notebook, a Ray worker. Hence functions must be picklable by reference from an importable
+module (not ``__main__``: :meth:`CheckPool.run` refuses those at once), and their arguments and results
+picklable without ``__main__`` too. ``VERL_MAS_CHECK_WORKERS`` sets the default pool's size.
 """
 
 from __future__ import annotations
@@ -46,10 +47,13 @@ import atexit
 import concurrent.futures
 import ctypes
 import ctypes.util
+import functools
 import importlib
 import logging
 import math
 import multiprocessing
+import multiprocessing.context
+import multiprocessing.spawn
 import os
 import signal
 import sys
@@ -124,6 +128,85 @@ def default_workers() -> int:
 
 def _start_method() -> str:
     return "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
+
+
+# ---------------------------------------------------------------------------------------------------
+# Workers that do not import the caller's __main__.
+#
+# A forkserver/spawn child re-creates the parent's main module before it unpickles its process object:
+# Popen._launch sends it the preparation data of multiprocessing.spawn.get_preparation_data, whose
+# "init_main_from_path" (a script) or "init_main_from_name" (``python -m``) the child runs as __mp_main__.
+# A script without the __main__ guard then runs its episodes again inside the worker, which dies
+# starting processes while bootstrapping; ``python -`` sends the path "<stdin>", which does not exist. Either
+# way every check fails with "All workers expired". set_forkserver_preload cannot help: the forkserver
+# never imports __main__ itself (it filters the key out), each child does. So the workers of the pool get
+# preparation data without those two keys: a Process subclass marks (thread-locally) the start of one of our
+# workers, and a wrapper of get_preparation_data drops the keys only while that mark is set, so other users
+# of multiprocessing in this process are unaffected. The wrapper depends only on Popen looking the function
+# up as ``spawn.get_preparation_data`` at each start and on those two key names (so in CPython 3.10 to 3.13);
+# overriding Popen._launch instead would copy private code of each Python version. If a later Python changes
+# them, the child interpreters of tests/test_verify.py and tests/test_math_workflow.py abort again.
+
+_starting_worker = threading.local()
+_patch_lock = threading.Lock()
+_MAIN_KEYS = ("init_main_from_name", "init_main_from_path")
+
+
+def _without_main(get_preparation_data: Callable[[str], dict[str, Any]]) -> Callable[[str], dict[str, Any]]:
+    @functools.wraps(get_preparation_data)
+    def wrapper(name: str) -> dict[str, Any]:
+        data = get_preparation_data(name)
+        if getattr(_starting_worker, "active", False):
+            for key in _MAIN_KEYS:
+                data.pop(key, None)
+        return data
+
+    wrapper._verl_mas_without_main = True  # type: ignore[attr-defined]
+    return wrapper
+
+
+def _install_without_main() -> None:
+    """Wrap ``multiprocessing.spawn.get_preparation_data`` once (idempotent, thread-safe)."""
+    with _patch_lock:
+        current = multiprocessing.spawn.get_preparation_data
+        if not getattr(current, "_verl_mas_without_main", False):
+            multiprocessing.spawn.get_preparation_data = _without_main(current)
+
+
+def _start_without_main(popen: Callable[[Any], Any], process_obj: Any) -> Any:
+    previous = getattr(_starting_worker, "active", False)
+    _starting_worker.active = True
+    try:
+        return popen(process_obj)
+    finally:
+        _starting_worker.active = previous
+
+
+class _SpawnWorker(multiprocessing.context.SpawnProcess):
+    @staticmethod
+    def _Popen(process_obj: Any) -> Any:  # noqa: N802 - multiprocessing's name
+        return _start_without_main(multiprocessing.context.SpawnProcess._Popen, process_obj)
+
+
+class _SpawnContext(multiprocessing.context.SpawnContext):
+    Process = _SpawnWorker
+
+
+if sys.platform != "win32":  # multiprocessing has no forkserver on Windows
+
+    class _ForkServerWorker(multiprocessing.context.ForkServerProcess):
+        @staticmethod
+        def _Popen(process_obj: Any) -> Any:  # noqa: N802 - multiprocessing's name
+            return _start_without_main(multiprocessing.context.ForkServerProcess._Popen, process_obj)
+
+    class _ForkServerContext(multiprocessing.context.ForkServerContext):
+        Process = _ForkServerWorker
+
+
+def _context(start_method: str) -> multiprocessing.context.BaseContext:
+    """A multiprocessing context for ``start_method`` whose processes do not import the caller's ``__main__``."""
+    _install_without_main()
+    return _ForkServerContext() if start_method == "forkserver" else _SpawnContext()
 
 
 def _worker_init(modules: list[str]) -> None:
@@ -215,7 +298,7 @@ class CheckPool:
                     max_workers=self.workers,
                     initializer=_worker_init,
                     initargs=(self._modules,),
-                    context=multiprocessing.get_context(self.start_method),
+                    context=_context(self.start_method),
                 )
                 pool.active  # noqa: B018 - reading it starts the pool (forkserver, workers): slow the first time
                 self._pool, self._pid = pool, os.getpid()
@@ -227,6 +310,7 @@ class CheckPool:
         Awaiting never blocks the event loop. Cancelling the awaiting task kills the worker running it.
 
         Raises:
+            ValueError: ``fn`` is defined in ``__main__`` (workers do not import it), or ``timeout_s`` is not > 0.
             CheckTimeout: ``fn`` ran longer than ``timeout_s``.
             InfraError: The worker process died (or the pool broke) before ``fn`` returned.
             Exception: Whatever ``fn`` raised, as is.
@@ -236,10 +320,17 @@ class CheckPool:
         ):
             raise ValueError(f"timeout_s is {timeout_s!r}; it must be a finite number of seconds > 0")
         module = getattr(fn, "__module__", None)
-        with self._lock:
-            if isinstance(module, str) and module not in self._modules and module != "__main__":
-                self._modules.append(module)
         name = _qualname(fn)
+        if module in ("__main__", "__mp_main__"):
+            raise ValueError(
+                f"{name} is defined in the main module (the script, stdin or notebook being run), which the "
+                "check workers do not import (so that scripts without an `if __name__ == '__main__':` guard work), "
+                "so a worker could not find it. Move it into an importable module (a .py file on sys.path) and "
+                "import it from there."
+            )
+        with self._lock:
+            if isinstance(module, str) and module not in self._modules:
+                self._modules.append(module)
         # Starting the pool waits for the forkserver and the workers (up to seconds in a Ray worker, whose
         # forkserver imports ray): done in a thread so that the event loop keeps running meanwhile.
         pool = self._ready() or await asyncio.to_thread(self._get)
