@@ -43,7 +43,7 @@ class EngineServerClient:
 
 
 def _make_loop(tiny_model_dir: Path, mas_block: dict, *, rollout: dict | None = None, chat_kwargs: dict | None = None,
-               trainer_mode: str = "mas", client=None, tokenizer=None):
+               trainer_mode: str = "mas", client=None, tokenizer=None, actor_rollout_ref: dict | None = None):
     from omegaconf import OmegaConf
     from transformers import AutoTokenizer
     from verl.experimental.agent_loop.agent_loop import DictConfigWrap
@@ -52,7 +52,8 @@ def _make_loop(tiny_model_dir: Path, mas_block: dict, *, rollout: dict | None = 
 
     config = OmegaConf.create(
         {
-            "actor_rollout_ref": {"rollout": {"response_length": 6, "prompt_length": 512, **(rollout or {})}},
+            "actor_rollout_ref": {**(actor_rollout_ref or {}),
+                                  "rollout": {"response_length": 6, "prompt_length": 512, **(rollout or {})}},
             "data": {"apply_chat_template_kwargs": dict(chat_kwargs or {})},
             "trainer": {"v1": {"trainer_mode": trainer_mode}},
             "mas": mas_block,
@@ -160,6 +161,88 @@ async def test_acc_greedy_is_the_greedy_episode_success_and_acc_the_sampled_one(
     outputs = await loop.run(dict(SAMPLING), **_row("taskG", {"start": 0, "goal": 1}, split="test"))
     # The sampled episode walks left (fails: its rows are the outputs), the greedy one reaches the goal.
     assert {tuple(o.extra_fields["reward_extra_info"].items()) for o in outputs} == {(("acc", 0.0), ("acc_greedy", 1.0))}
+
+
+# The mas: blocks of the policy layouts (toy-walk's roles: planner, mover); under a shared LoRA base the policies
+# are adapters of one base model (mas.lora_base: shared, the default).
+_LAYOUTS = {
+    "one policy": ({}, None),
+    "several policies": ({"policies": {"p": {}, "m": {}},
+                          "roles": {"planner": {"policy": "p"}, "mover": {"policy": "m"}}}, None),
+    "shared LoRA base": ({"policies": {"a": {"model": {"lora_rank": 4}}, "b": {"model": {"lora_rank": 4}}},
+                          "roles": {"planner": {"policy": "a"}, "mover": {"policy": "b"}}},
+                         {"model": {"lora_rank": 0}}),
+}
+
+
+async def test_val_kwargs_do_sample_false_decodes_greedily_in_every_policy_layout(tiny_model_dir: Path) -> None:
+    # verl's V1 agent loop hands validation val_kwargs' temperature (1.0 here) and ignores do_sample; the mas agent
+    # loop reads do_sample for every policy, so the same val_kwargs mean the same decoding in every layout.
+    for layout, (block, arr) in _LAYOUTS.items():
+        arr = {**(arr or {}), "model": {"path": str(tiny_model_dir), **(arr or {}).get("model", {})}}
+        for do_sample, temperatures, keys in (
+            # greedy: one episode at temperature 0 (2 turns x 2 roles x 1 candidate), no separate greedy episode
+            (False, [0] * 4, {"acc"}),
+            # control: sampled at val_kwargs' temperature, then the greedy episode (mas.val_greedy)
+            (True, [1.0] * 4 + [0] * 4, {"acc", "acc_greedy"}),
+        ):
+            val_kwargs = {"n": 1, "do_sample": do_sample, "temperature": 1.0, "top_p": 1.0, "top_k": -1}
+            loop, client, _ = _make_loop(tiny_model_dir, {"branching": 3, "max_turns": 2, **block},
+                                         rollout={"val_kwargs": val_kwargs}, actor_rollout_ref=arr)
+            outputs = await loop.run(dict(SAMPLING), **_row("taskS", {"start": 0, "goal": 5}, split="test"))
+            sent = [(r[2]["temperature"], r[2]["top_p"], r[2]["top_k"]) for r in client.requests]
+            assert sent == [(t, 1.0, -1) for t in temperatures], (layout, do_sample)
+            assert set(outputs[0].extra_fields["reward_extra_info"]) == keys, (layout, do_sample)
+
+
+class _CountingGreedyClient(_GreedyKnowsTheWay):
+    """:class:`_GreedyKnowsTheWay` that records the temperature of every request."""
+
+    def __init__(self, tokenizer) -> None:
+        super().__init__(tokenizer)
+        self.temperatures: list[float] = []
+
+    async def generate(self, request_id: str, *, prompt_ids: list[int], sampling_params: dict, **kwargs):
+        self.temperatures.append(sampling_params["temperature"])
+        return await super().generate(request_id, prompt_ids=prompt_ids, sampling_params=sampling_params, **kwargs)
+
+
+async def test_the_greedy_episode_is_played_once_per_task_and_read_by_every_session(tiny_model_dir: Path) -> None:
+    import asyncio
+
+    from transformers import AutoTokenizer
+    from verl.trainer.ppo.metric_utils import process_validation_metrics
+
+    from verl_mas import agent_loop
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    client = _CountingGreedyClient(tokenizer)  # verl's server client, shared by every session of the worker
+    val_kwargs = {"n": 4, "do_sample": True, "temperature": 1.0, "top_p": 1.0, "top_k": -1}
+    # Two tasks, four validation sessions each, all in flight together as verl's worker runs them (an agent loop
+    # per session). Greedy walks right, sampling walks left: a walk that reaches its goal ends after turn 0
+    # (2 requests: planner, mover), one that does not plays 2 turns x 2 roles x K=1 = 4 requests. Goal 1: greedy
+    # 2, sampled 4; goal -1: greedy 4, sampled 2.
+    tasks = {"taskUp": {"start": 0, "goal": 1}, "taskDown": {"start": 0, "goal": -1}}
+    sessions = []
+    for uid, task in tasks.items():
+        for session in range(4):
+            loop, _, _ = _make_loop(tiny_model_dir, {"branching": 2, "max_turns": 2},
+                                    rollout={"val_kwargs": val_kwargs}, client=client, tokenizer=tokenizer)
+            sessions.append((uid, loop.run(dict(SAMPLING), **{**_row(uid, task, split="test"), "session_id": session})))
+    results = await asyncio.gather(*(run for _, run in sessions))
+    # One greedy episode per task: 2 + 4 greedy requests (one per session would be 4 x 2 + 4 x 4 = 24); sampled
+    # 4 x 4 + 4 x 2 = 24.
+    assert client.temperatures.count(0) == 2 + 4 and client.temperatures.count(1.0) == 24
+    assert len(client.temperatures) == 30
+    assert agent_loop._GREEDY == {}  # every session read its task's entry, which then left
+    # Every session reports its task's greedy success; goal -1 is left of the start, where sampling walks.
+    infos = [outputs[-1].extra_fields["reward_extra_info"] for outputs in results]  # verl reads a session's last row
+    assert [(uid, info) for (uid, _), info in zip(sessions, infos, strict=True)] == (
+        [("taskUp", {"acc": 0.0, "acc_greedy": 1.0})] * 4 + [("taskDown", {"acc": 1.0, "acc_greedy": 0.0})] * 4)
+    # verl's validation metrics from them: acc_greedy/mean@4 is each task's greedy success, averaged over tasks.
+    metrics = process_validation_metrics(["walk"] * 8, [uid for uid, _ in sessions],
+                                         {key: [info[key] for info in infos] for key in ("acc", "acc_greedy")})
+    assert metrics["walk"]["acc_greedy"]["mean@4"] == 0.5 and metrics["walk"]["acc"]["mean@4"] == 0.5
 
 
 async def test_grouping_passes_on_real_rows_and_a_broken_key_is_caught(tiny_model_dir: Path) -> None:

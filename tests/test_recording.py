@@ -54,9 +54,91 @@ def test_a_scripted_relay_episode_is_recorded_as_it_ran_with_its_at_grpo_advanta
     assert record["outcome"] == {"success": 0.0, "terminated": False, "truncated": True, "aborted": False,
                                  "error": None, "context_overflow": False}
     assert record["metrics"]["mas/delivered"] == 0.5
-    # Under role or trajectory grouping an advantage needs the whole batch: null, not a guess.
-    other = episode_record(episode, source="run", task=TASK, tokenizer=tokenizer, grouping="agent")
-    assert {c["advantage"] for g in other["groups"] for c in g["candidates"]} == {None}
+    assert [g["zero_variance"] for g in record["groups"]] == [False, False]
+
+
+def _trainer_advantages(episodes: list, mas) -> dict[tuple[int, str, int], float]:
+    """The trainer's advantage of every row of ``episodes`` (the sessions of one task), by (session, node, index).
+
+    As ``MasTrainer._compute_advantage``: the rows the mas agent loop returns (trainable candidates), grouped by
+    ``assign_groups`` and normalised by the at_grpo estimator on float32 token-level scores.
+    """
+    import numpy as np
+    import torch
+
+    from verl_mas.advantage.at_grpo import compute_at_grpo_outcome_advantage
+    from verl_mas.rows import CandidateRow, prompt_hash
+    from verl_mas.trainer import assign_groups
+
+    rows, sessions, where = [], [], []
+    for s, episode in enumerate(episodes):
+        for c in episode.trainable():
+            rows.append(CandidateRow(
+                workflow=episode.workflow_id, role=c.role, turn=c.turn, policy="default", reward=float(c.reward),
+                team_reward=math.nan, local_reward=math.nan, committed=c.committed,
+                prompt_hash=prompt_hash(c.prompt_ids), episode_index=len(where), episode_metrics=dict(episode.metrics)))
+            sessions.append(f"{episode.task_uid}_{s}")
+            where.append((s, c.group_key, c.index))
+    groups = assign_groups(rows, [e.rpartition("_")[0] for e in sessions], np.zeros(len(rows), dtype=bool), mas,
+                           episodes=sessions)
+    scores = torch.tensor(groups.rewards, dtype=torch.float32)[:, None]
+    adv, _ = compute_at_grpo_outcome_advantage(scores, torch.ones_like(scores), np.array(groups.keys, dtype=object),
+                                               config={"norm_adv_by_std_in_grpo": True, "at_grpo_singleton": "zero"})
+    return dict(zip(where, adv[:, 0].tolist(), strict=True))
+
+
+def _recorded(record: dict) -> dict[tuple[str, int], float | None]:
+    return {(g["key"], c["index"]): c["advantage"] for g in record["groups"] for c in g["candidates"]}
+
+
+def test_recorded_advantages_are_the_trainers_under_tree_sampling_and_null_where_groups_span_episodes() -> None:
+    from verl_mas.config import MasConfig
+
+    tokenizer = default_tokenizer()
+    # Tree sampling, K=2, two turns: caller "red","red" then "blue","zzz"; the runner alike. Each role's rewards
+    # are [1, 1] at turn 0 and [1, 0] at turn 1 (the message is delivered, so the episode ends after turn 1).
+    llm = ScriptedLLM({"caller": ["red", "red", "blue", "zzz"], "runner": ["red", "red", "blue", "zzz"]},
+                      tokenizer=tokenizer)
+    episode = run_workflow("relay-v0", TASK, llm, branching=2, max_turns=2, tokenizer=tokenizer)
+    for grouping, expected, zero in (
+        # agent_turn: a node is a group; turn 0 ties (0 each), turn 1: +-(1/2) / (1/sqrt 2) = +-1/sqrt 2.
+        ("agent_turn", [0.0, 0.0, 1 / math.sqrt(2), -1 / math.sqrt(2)], [True, True, False, False]),
+        # agent: the role's four candidates [1, 1, 1, 0]: mean 3/4, unbiased std sqrt((3/16 + 9/16) / 3) = 1/2,
+        # so +1/4 / (1/2) = 1/2 and -3/4 / (1/2) = -3/2; the tied turn-0 nodes carry signal in their role group.
+        ("agent", [0.5, 0.5, 0.5, -1.5], [False, False, False, False]),
+    ):
+        record = episode_record(episode, source="train", task=TASK, grouping=grouping, sampling="tree")
+        by_role = {role: [c["advantage"] for g in record["groups"] if g["role"] == role for c in g["candidates"]]
+                   for role in ("caller", "runner")}
+        assert by_role == {"caller": pytest.approx(expected, abs=1e-5), "runner": pytest.approx(expected, abs=1e-5)}
+        assert [g["zero_variance"] for g in record["groups"]] == zero  # caller 0, runner 0, caller 1, runner 1
+        # Exactly the trainer's numbers for the same rows (one episode per task under tree sampling).
+        trainer = _trainer_advantages([episode], MasConfig(branching=2, max_turns=2, grouping=grouping))
+        assert _recorded(record) == {(key, i): a for (_, key, i), a in trainer.items()}
+        # A validation episode is never trained on: no advantage.
+        val = episode_record(episode, source="val", task=TASK, grouping=grouping, sampling="tree")
+        assert set(_recorded(val).values()) == {None} and {g["zero_variance"] for g in val["groups"]} == {None}
+
+    # Parallel sampling: 4 episodes of one task, one candidate per node; the caller says red, zzz, red, zzz
+    # (rewards 1, 0, 1, 0), the runner always red (delivers the one-word message: 1, 1, 1, 1).
+    parallel = []
+    for word in ("red", "zzz", "red", "zzz"):
+        llm = ScriptedLLM({"caller": word, "runner": "red"}, tokenizer=tokenizer)
+        parallel.append(run_workflow("relay-v0", {"message": ["red"]}, llm, branching=1, max_turns=1,
+                                     tokenizer=tokenizer))
+    trainer = _trainer_advantages(parallel, MasConfig(branching=1, max_turns=1, sampling="parallel"))
+    # The trainer's caller group spans the 4 episodes: mean 1/2, unbiased std sqrt(1/3), so +-(1/2) * sqrt 3 = +-0.866.
+    assert [trainer[(s, f"{parallel[s].task_uid}|caller|0", 0)] for s in range(4)] == pytest.approx(
+        [math.sqrt(3) / 2, -math.sqrt(3) / 2] * 2, abs=1e-5)
+    # One episode sees one member of each group (alone it would be a singleton: 0): null, and no zero-variance claim.
+    for episode in parallel:
+        for grouping in ("agent_turn", "agent", "trajectory"):
+            record = episode_record(episode, source="train", task={"message": ["red"]}, grouping=grouping,
+                                    sampling="parallel")
+            assert set(_recorded(record).values()) == {None}
+            assert {g["zero_variance"] for g in record["groups"]} == {None}
+    with pytest.raises(ValueError, match=r"sampling='parallell'.*Pass the run's mas.grouping and mas.sampling"):
+        episode_record(parallel[0], source="train", task=TASK, sampling="parallell")
 
 
 def test_an_aborted_episode_keeps_its_infrastructure_failures_and_no_success() -> None:

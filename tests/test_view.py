@@ -299,3 +299,110 @@ def test_the_page_in_chromium(chromium, tmp_path: Path) -> None:
     assert not severe, f"browser console errors: {severe}"
     assert time.monotonic() - started < 30
 
+
+
+# ---- the page's script in Node, on a minimal DOM (no browser needed) ----
+
+# Just the DOM the page's script uses; every element is recorded so a test can read the tree back.
+_NODE_DOM = r"""
+const vm = require("vm");
+const [page, calls] = [require("fs").readFileSync(process.argv[2], "utf8"), JSON.parse(process.argv[3])];
+class Element {
+  constructor(tag) { Object.assign(this, {tagName: tag, children: [], parentNode: null, dataset: {}, style: {},
+    className: "", textContent: "", hidden: false, value: "", open: false}); }
+  get classList() {
+    const names = () => this.className.split(" ").filter(Boolean);
+    return {add: (c) => { this.className = [...new Set([...names(), c])].join(" "); },
+            remove: (c) => { this.className = names().filter((n) => n !== c).join(" "); }};
+  }
+  get childElementCount() { return this.children.length; }
+  append(...kids) { for (const k of kids) { k.remove(); k.parentNode = this; this.children.push(k); } }
+  replaceChildren(...kids) { for (const k of [...this.children]) k.remove(); this.append(...kids); }
+  insertBefore(k, ref) { k.remove(); k.parentNode = this; this.children.splice(this.children.indexOf(ref), 0, k); }
+  remove() { if (this.parentNode) this.parentNode.children.splice(this.parentNode.children.indexOf(this), 1);
+             this.parentNode = null; }
+  addEventListener() {}
+  scrollIntoView() {}
+  all() { return [this, ...this.children.flatMap((k) => k.all())]; }
+}
+const byId = {};
+const document = {
+  getElementById: (id) => (byId[id] ??= new Element("div")),
+  createElement: (tag) => new Element(tag),
+  createDocumentFragment: () => new Element("fragment"),
+};
+const script = page.match(/<script type="application\/json" id="episodes">([\s\S]*?)<\/script>/)[1];
+document.getElementById("episodes").textContent = script;
+const code = page.match(/<script>([\s\S]*?)<\/script>/)[1];
+const context = vm.createContext({document, console});
+vm.runInContext(code, context);
+const out = {};
+for (const i of calls) {
+  vm.runInContext(`select(${i})`, context);
+  const nodes = document.getElementById("episode-view").all().filter((e) => e.dataset.node)
+    .map((e) => [e.dataset.node, e.className.split(" ").filter(Boolean).sort()]);
+  // A node's candidate cards (what a click shows): each candidate's advantage as the page prints it.
+  const advantages = vm.runInContext(`EPISODES[${i}].groups.map((g) => [g.key, buildDetail(g)])`, context)
+    .map(([key, detail]) => [key, detail.all().filter((e) => e.className === "advantage").map((e) => e.textContent)]);
+  out[i] = {nodes: Object.fromEntries(nodes), advantages: Object.fromEntries(advantages)};
+}
+console.log(JSON.stringify(out));
+"""
+
+
+def _node_marks(tmp_path: Path, episodes: list[dict]) -> dict[str, dict[str, dict[str, list[str]]]]:
+    """Per episode, ``{"nodes": {key: classes}, "advantages": {key: texts}}``: its nodes as the page's own script
+    renders them and the advantage each candidate card prints (run by Node)."""
+    import shutil
+    import subprocess
+
+    node = shutil.which("node")
+    if node is None:
+        pytest.fail("this test runs the page's script in Node, which is missing. Fix: apt-get install nodejs",
+                    pytrace=False)
+    page = write_page(episodes, tmp_path / "page.html")
+    shim = tmp_path / "dom.js"
+    shim.write_text(_NODE_DOM)
+    proc = subprocess.run([node, str(shim), str(page), json.dumps(list(range(len(episodes))))],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return {episodes[int(i)]["task_uid"]: shown for i, shown in json.loads(proc.stdout).items()}
+
+
+@pytest.mark.slow  # a child interpreter (Node)
+def test_the_zero_variance_mark_is_the_trainer_group_the_record_names(tmp_path: Path) -> None:
+    """The page marks a node "zero variance" when its record says the trainer's group had no signal, not when
+    the node's own rewards tie: under role-only grouping a tied node sits in a role group that has signal, and
+    under parallel sampling the group spans episodes (the record holds null)."""
+    def grouped(uid: str, role: str, turn: int, rewards: list[float], zero: bool | None,
+                advantages: list[float | None]) -> dict:
+        g = _group(uid, role, turn, _four(uid, rewards))
+        g["zero_variance"] = zero
+        for c, a in zip(g["candidates"], advantages, strict=True):
+            c["advantage"] = a
+        return g
+
+    episodes = [
+        # agent grouping: caller rewards [1, 1 | 1, 0] over turns 0 and 1; mean 3/4, std 1/2, so the tied
+        # turn-0 node gets +1/2 each (no mark), the runner's role group is tied everywhere (marked).
+        _episode("agent", [grouped("agent", "caller", 0, [1.0, 1.0], False, [0.5, 0.5]),
+                           grouped("agent", "caller", 1, [1.0, 0.0], False, [0.5, -1.5]),
+                           grouped("agent", "runner", 0, [0.0, 0.0], True, [0.0, 0.0]),
+                           grouped("agent", "runner", 1, [0.0, 0.0], True, [0.0, 0.0])]),
+        # parallel sampling (one candidate per node): the group spans the task's episodes, whose rewards the
+        # record cannot see; null, and no mark.
+        _episode("parallel", [grouped("parallel", "caller", 0, [1.0], None, [None]),
+                              grouped("parallel", "runner", 0, [0.0], None, [None])]),
+        # A record written before zero_variance existed (agent_turn advantages): the node is its group.
+        _episode("legacy", [_group("legacy", "caller", 0, _four("legacy", [0.5, 0.5])),
+                            _group("legacy", "runner", 0, _four("legacy", [0.5, 1.0]))]),
+    ]
+    shown = _node_marks(tmp_path, episodes)
+    zero = {uid: sorted(k for k, classes in s["nodes"].items() if "zero-variance" in classes)
+            for uid, s in shown.items()}
+    assert zero == {"agent": ["agent|runner|0", "agent|runner|1"], "parallel": [], "legacy": ["legacy|caller|0"]}
+    # Every node was rendered (the marks above are not missing nodes).
+    assert {uid: len(s["nodes"]) for uid, s in shown.items()} == {"agent": 4, "parallel": 2, "legacy": 2}
+    # A null advantage prints n/a, a recorded one its value.
+    assert shown["parallel"]["advantages"] == {"parallel|caller|0": ["n/a"], "parallel|runner|0": ["n/a"]}
+    assert shown["agent"]["advantages"]["agent|caller|1"] == ["0.500", "-1.500"]

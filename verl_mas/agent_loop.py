@@ -16,6 +16,11 @@ reward travels in its row; the ``mas`` trainer rebuilds the token-level scores f
 reason the loop refuses to run under any trainer mode but ``mas``. Each role's requests go to its
 policy's servers through :class:`verl_mas.routing.RoleRoutedClient`.
 
+Validation rows (``extra_info.split == "test"``) play ``mas.val_branching`` candidates per node, each policy
+sampled with its ``val_kwargs`` (greedy where ``val_kwargs.do_sample`` is false, with one policy as with several:
+:meth:`MasAgentLoop._policy_sampling`), and with ``mas.val_greedy`` the task's greedy episode, played once per task
+and reported by each of its ``val_kwargs.n`` sessions as ``acc_greedy`` (:func:`_shared_greedy_success`).
+
 Failures: a rollout server that is gone (a lost actor, a timeout) is an infrastructure failure (the
 candidate is dropped, and an episode left without candidates is aborted); a server that *raises* on a
 request does so deterministically (a bad request) and stops the run. A prompt the model cannot answer any
@@ -24,15 +29,17 @@ more (longer than the context allows) is the workflow's own outcome: the episode
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import hashlib
 import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopMetrics, AgentLoopOutput
 from verl.trainer.ppo.v1.agent_loop_tq import apply_greedy_sampling_params
+from verl.workers.config import SamplingConfig
 
 from verl_mas.client import GenerateRequest, Sample, fan_out
 from verl_mas.config import MasConfig, MasConfigError, mas_trainer_selected
@@ -43,6 +50,11 @@ from verl_mas.routing import RoleRoutedClient, RoleRouter, candidate_request_id
 from verl_mas.rows import CandidateRow, prompt_hash
 
 logger = logging.getLogger(__name__)
+
+
+#: verl's defaults for a ``val_kwargs`` block that leaves a key out (its ``SamplingConfig``).
+VAL_DO_SAMPLE_DEFAULT: bool = SamplingConfig.do_sample
+VAL_SESSIONS_DEFAULT: int = SamplingConfig.n
 
 
 def episode_seed(uid: str, session_id: int) -> int:
@@ -71,6 +83,42 @@ def _team_success(episode: Episode) -> float | None:
     if "mas/success" not in episode.metrics:
         return None
     return 0.0 if episode.aborted else float(episode.metrics["mas/success"])
+
+
+@dataclasses.dataclass
+class _SharedGreedy:
+    """The greedy episode of one validation task, played once, and how many of its sessions have yet to read it."""
+
+    success: asyncio.Future[float | None]
+    unread: int
+
+
+#: Per worker process: the greedy episode of each validation task in flight, by task uid (verl runs every session
+#: of a task in one agent-loop worker, and gives each validation row a fresh uid).
+_GREEDY: dict[str, _SharedGreedy] = {}
+
+
+async def _shared_greedy_success(uid: str, sessions: int,
+                                 play: Callable[[], Awaitable[float | None]]) -> float | None:
+    """The team success of task ``uid``'s greedy episode: played by the first of its ``sessions`` validation
+    sessions to ask, read by all of them.
+
+    Each of the task's ``val_kwargs.n`` sessions reports the same ``acc_greedy``, so verl's per-task
+    ``acc_greedy/mean@n`` is the greedy episode's success, and the greedy episode, deterministic in the task, costs
+    one episode per task instead of one per session. The entry leaves when its last session has read it (a session
+    that raised before asking stops the run, leaving one small entry; sessions beyond ``sessions``, e.g. a row with
+    its own ``__rollout_n__``, play the episode again). A greedy episode that raises raises in every session that
+    reads it.
+    """
+    loop = asyncio.get_running_loop()
+    entry = _GREEDY.get(uid)
+    if entry is None or entry.success.get_loop() is not loop:  # another event loop's entry: never this run's
+        entry = _GREEDY[uid] = _SharedGreedy(asyncio.ensure_future(play()), max(1, sessions))
+    entry.unread -= 1
+    if entry.unread <= 0:
+        del _GREEDY[uid]
+    # shield: a session cancelled while waiting does not cancel the episode its siblings read.
+    return await asyncio.shield(entry.success)
 
 
 def _is_greedy(params: Mapping[str, Any]) -> bool:
@@ -225,13 +273,26 @@ class MasAgentLoop(AgentLoopBase):
             raise MasConfigError("The policies' tokenizers do not fit their models:\n  - " + "\n  - ".join(problems))
         return out
 
+    def _policy_rollouts(self) -> dict[str, Any]:
+        """Each policy's rollout config: its own with several policies (shared LoRA base or not), verl's with one."""
+        if self.policy_configs:
+            return {name: arr.rollout for name, arr in self.policy_configs.items()}
+        return {name: self.rollout_config for name in self.router.policies}
+
     def _policy_sampling(self, validate: bool) -> dict[str, dict[str, Any]]:
-        """Each policy's own sampling settings (its rollout's temperature/top_p/top_k, or val_kwargs')."""
+        """Each policy's own sampling settings: its rollout's temperature/top_p/top_k, or in validation its
+        ``val_kwargs``', greedy (verl's ``apply_greedy_sampling_params``) where ``val_kwargs.do_sample`` is false.
+
+        One path for every policy layout. verl's V1 agent loop hands validation ``val_kwargs``' temperature, top-p
+        and top-k but ignores ``do_sample``, so reading ``do_sample`` here is what makes ``do_sample=false`` at a
+        temperature above 0 decode greedily with one policy as with several. A ``val_kwargs`` without
+        ``do_sample`` takes verl's default (its ``SamplingConfig``: sample).
+        """
         out = {}
-        for name, arr in self.policy_configs.items():
-            source = arr.rollout.val_kwargs if validate else arr.rollout
+        for name, rollout in self._policy_rollouts().items():
+            source = (rollout.get("val_kwargs", None) or {}) if validate else rollout
             out[name] = {k: source[k] for k in ("temperature", "top_p", "top_k") if k in source}
-            if validate and not source.get("do_sample", False):  # verl: val_kwargs.do_sample=false decodes greedily
+            if validate and not source.get("do_sample", VAL_DO_SAMPLE_DEFAULT):
                 apply_greedy_sampling_params(out[name])
         return out
 
@@ -262,8 +323,13 @@ class MasAgentLoop(AgentLoopBase):
             # (verl logs it as val-aux/<source>/acc_greedy/mean@n next to the sampled val-core acc).
             greedy = {name: _greedy(p) for name, p in params.items()}
             one = dataclasses.replace(config, branching=1)
-            played = await self._play(workflow_id, task, greedy, one, seed=episode_seed(uid, session_id), uid=uid)
-            extra_info["acc_greedy"] = _team_success(played)
+
+            async def play() -> float | None:
+                # Seeded as the task's first session: the one greedy episode of the task, whichever session plays it.
+                return _team_success(await self._play(workflow_id, task, greedy, one, seed=episode_seed(uid, 0),
+                                                      uid=uid))
+
+            extra_info["acc_greedy"] = await _shared_greedy_success(uid, self._val_sessions(), play)
         if episode.aborted:
             logger.warning("episode of %s for row %s aborted: %s", workflow_id, uid, episode.error)
             if self.mas_config.grouping == "trajectory":
@@ -271,6 +337,11 @@ class MasAgentLoop(AgentLoopBase):
                 # failure left unknown: none of its rows is trained on (the trainer counts it as aborted).
                 return []
         return self._outputs(episode, workflow_id, extra_info)
+
+    def _val_sessions(self) -> int:
+        """Validation sessions per task (verl's ``val_kwargs.n``; one setting for every policy)."""
+        val_kwargs = self.rollout_config.get("val_kwargs", None) or {}
+        return int(val_kwargs.get("n", VAL_SESSIONS_DEFAULT))
 
     async def _play(self, workflow_id: str, task: Any, params: Mapping[str, Mapping[str, Any]], config: Any, *,
                     seed: int, uid: str) -> Episode:
@@ -302,7 +373,8 @@ class MasAgentLoop(AgentLoopBase):
         record = episode_record(
             episode, source=source, task=task, step=step, tokenizer=self.role_tokenizers,
             policies={role: self.router.policy_of(role) for role in episode.roles},
-            grouping=self.mas_config.grouping, norm_by_std=bool(algorithm.get("norm_adv_by_std_in_grpo", True)),
+            grouping=self.mas_config.grouping, sampling=self.mas_config.sampling,
+            norm_by_std=bool(algorithm.get("norm_adv_by_std_in_grpo", True)),
             singleton=self.mas_config.singleton_advantage,
         )
         write_records(settings.path(source, step), [record])

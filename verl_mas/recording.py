@@ -14,10 +14,25 @@ Who records:
   (as verl logs it; 0 before training);
 - ``python -m verl_mas.run ... --record FILE`` and ``python -m verl_mas.evaluate ... --record FILE``.
 
-Advantages: with ``grouping=agent_turn`` a group is one (task, role, turn) node, so the record computes the
-AT-GRPO advantage the trainer computes (:func:`verl_mas.advantage.at_grpo.at_grpo_advantages`, the same
-normalisation and singleton policy). Under role or trajectory grouping an advantage depends on the whole
-batch and is recorded as null.
+Advantages: a candidate's ``advantage`` is the one the trainer's ``at_grpo`` estimator gives it
+(:func:`verl_mas.advantage.at_grpo.at_grpo_advantages` over the group :func:`verl_mas.trainer.assign_groups`
+builds, with the run's normalisation and singleton policy), recorded only where the episode alone holds that
+whole group, and null everywhere else (a number that is not the trainer's would be worse than none):
+
+- ``sampling=tree`` (``rollout.n=1``: one episode per task) with ``grouping=agent_turn``: a group is one
+  (task, role, turn) node of the episode, normalised over its trainable candidates;
+- ``sampling=tree`` with ``grouping=agent``: a group is every trainable candidate of the role in the episode,
+  all turns together (each keeps its own reward);
+- ``sampling=parallel`` or ``grouping=trajectory`` (which start-up allows only with parallel sampling): a group
+  spans the task's ``rollout.n`` episodes (the same (task, role, turn) in K independent episodes, or a role's
+  score in each of the K episodes), which one episode cannot see: null;
+- validation episodes (``source="val"``): never trained on, so the trainer computes no advantage: null.
+
+Candidates lost to infrastructure failures are not trained on and have no advantage. Each group also records
+``zero_variance``: true when the trainer's group of that node has several members whose rewards are all equal
+(every member's advantage is exactly 0; under ``grouping=agent`` the group is the role's, so a node whose own
+candidates tie is not marked unless the whole role ties), false when it has not, null where the advantages
+are null. ``python -m verl_mas.view`` marks a node "zero variance" from this field alone.
 """
 
 from __future__ import annotations
@@ -44,19 +59,45 @@ def _number(value: float | None) -> float | None:
     return None if value is None or not math.isfinite(float(value)) else float(value)
 
 
-def _group_advantages(group: Candidates, *, norm_by_std: bool, singleton: str) -> dict[int, float]:
-    """AT-GRPO advantages of a group's trainable candidates (index -> advantage), as the trainer computes them."""
+def _trainer_groups(episode: Episode, *, source: str, grouping: str, sampling: str) -> dict[str, str] | None:
+    """``{node key: trainer group}`` of the episode's nodes, or None where one episode does not hold its groups."""
+    from verl_mas.advantage.groups import GROUPING_MODES
+    from verl_mas.config import SAMPLINGS
+
+    if grouping not in GROUPING_MODES or sampling not in SAMPLINGS:
+        raise ValueError(
+            f"episode_record got grouping={grouping!r}, sampling={sampling!r}; the modes are grouping in "
+            f"{GROUPING_MODES} and sampling in {SAMPLINGS}. Pass the run's mas.grouping and mas.sampling.")
+    if source == "val" or sampling == "parallel" or grouping == "trajectory":
+        return None
+    # Tree sampling runs one episode per task (rollout.n=1), so the task's groups are this episode's.
+    return {g.key: g.role if grouping == "agent" else g.key for g in episode.groups}
+
+
+def _advantages(episode: Episode, groups: Mapping[str, str], *, norm_by_std: bool,
+                singleton: str) -> tuple[dict[tuple[str, int], float], dict[str, bool]]:
+    """The trainer's advantage of every trainable candidate (by (node key, index)), and whether each trainer
+    group has several members and equal rewards (by group)."""
+    import numpy as np
     import torch
 
     from verl_mas.advantage.at_grpo import at_grpo_advantages
 
-    members = [c for c in group.all if c.trainable and c.reward is not None]
+    # The rows the mas agent loop hands the trainer: the trainable candidates, each with its own reward.
+    members = [c for g in episode.groups for c in g.all if c.trainable and c.reward is not None]
+    flat: dict[str, bool] = {}
     if not members:
-        return {}
+        return {}, flat
+    names = [groups[c.group_key] for c in members]
+    ids = np.unique(np.asarray(names, dtype=object), return_inverse=True)[1]
+    # float32, as the trainer's token-level scores (the reward on a row's last response token).
     scores = torch.tensor([float(c.reward) for c in members], dtype=torch.float32)
-    adv = at_grpo_advantages(scores, torch.zeros(len(members), dtype=torch.long), norm_by_std=norm_by_std,
-                             singleton=singleton)
-    return {c.index: float(a) for c, a in zip(members, adv.tolist())}
+    adv = at_grpo_advantages(scores, ids, norm_by_std=norm_by_std, singleton=singleton)
+    for gid, name in enumerate(np.unique(np.asarray(names, dtype=object))):
+        group = scores[torch.as_tensor(ids == gid)]
+        # The estimator's zero-variance rule: several members, highest and lowest score exactly equal.
+        flat[str(name)] = group.numel() > 1 and bool(group.max() == group.min())
+    return {(c.group_key, c.index): float(a) for c, a in zip(members, adv.tolist(), strict=True)}, flat
 
 
 def _candidate(c: Candidate, advantage: float | None) -> dict[str, Any]:
@@ -92,6 +133,7 @@ def episode_record(
     tokenizer: Any = None,
     policies: Mapping[str, str] | None = None,
     grouping: str = "agent_turn",
+    sampling: str = "tree",
     norm_by_std: bool = True,
     singleton: str = "zero",
 ) -> dict[str, Any]:
@@ -105,20 +147,26 @@ def episode_record(
         tokenizer: Decodes each group's prompt ids (one tokenizer, or ``{role: tokenizer}``); None: the
             prompt is shown as its chat messages.
         policies: ``{role: policy}`` (None: every role ``"default"``).
-        grouping, norm_by_std, singleton: The run's advantage settings (``mas.grouping``,
-            ``algorithm.norm_adv_by_std_in_grpo``, ``mas.singleton_advantage``).
+        grouping, sampling, norm_by_std, singleton: The run's advantage settings (``mas.grouping``,
+            ``mas.sampling``, ``algorithm.norm_adv_by_std_in_grpo``, ``mas.singleton_advantage``). They decide
+            which advantages one episode determines (see the module docstring); the others are null.
+
+    Raises:
+        ValueError: ``grouping`` or ``sampling`` is not a mode of ``mas.grouping`` / ``mas.sampling``.
     """
+    trainer_groups = _trainer_groups(episode, source=source, grouping=grouping, sampling=sampling)
+    advantages, flat = ({}, {}) if trainer_groups is None else _advantages(
+        episode, trainer_groups, norm_by_std=norm_by_std, singleton=singleton)
     groups = []
     for group in episode.groups:
-        advantages = (_group_advantages(group, norm_by_std=norm_by_std, singleton=singleton)
-                      if grouping == "agent_turn" else {})
         groups.append({
             "key": group.key,
             "role": group.role,
             "turn": int(group.turn),
             "prompt": _prompt_text(group, tokenizer),
             "prompt_tokens": len(group.prompt_ids),
-            "candidates": [_candidate(c, advantages.get(c.index)) for c in group.all],
+            "zero_variance": None if trainer_groups is None else flat.get(trainer_groups[group.key], False),
+            "candidates": [_candidate(c, advantages.get((group.key, c.index))) for c in group.all],
         })
     success = episode.metrics.get("mas/success")
     return {

@@ -2,7 +2,9 @@
 
 Metrics say *that* a run learns or not; the viewer shows *why*: which prompts a role saw, what its K
 candidates answered, which one the team committed to, and where the group carried no learning signal
-(all rewards equal), failed to parse, or hit an infrastructure error::
+(all rewards of the trainer's group equal, as the record's ``zero_variance`` says; a candidate's advantage
+shows "n/a" where one episode does not determine it, see :mod:`verl_mas.recording`), failed to parse, or hit
+an infrastructure error::
 
     python -m verl_mas.view runs/at_grpo_cpu --out runs/at_grpo_cpu/episodes.html --limit 500
 
@@ -340,12 +342,21 @@ function renderTree(ep, role) {
   if (!groups.length) tree.append(el("p", "empty", "No groups for this role."));
   return tree;
 }
+// Whether the trainer's group of a node carried no signal (several members, equal rewards: advantage 0 for
+// each). The recorder says so in zero_variance, null where one episode does not hold the group (parallel
+// sampling: it spans the task's episodes), and under role-only grouping the group is the role's, not the node's.
+// Records written before the field: a node whose trainable candidates have advantages was its own group.
+function zeroVariance(g) {
+  if ("zero_variance" in g) return g.zero_variance === true;
+  const members = (g.candidates || []).filter((x) => x.trainable !== false);
+  return members.length > 1 && members.every((x) => typeof x.advantage === "number" && x.reward === members[0].reward);
+}
 function buildNode(g, k, c) {
   const cands = g.candidates || [], rewards = cands.map((x) => x.reward);
   const nums = rewards.filter((r) => typeof r === "number");
   const node = el("div", "node"), sum = el("div", "node-summary");
   node.dataset.node = g.key;
-  const zero = cands.length > 1 && rewards.every((r) => r === rewards[0]);
+  const zero = zeroVariance(g);
   const parse = cands.some((x) => x.parse_failed), infra = cands.some((x) => x.infra_error);
   const lo = Math.min(...nums), hi = Math.max(...nums);
   const range = !nums.length ? "n/a" : lo === hi ? fmt(lo) : `${fmt(lo)} … ${fmt(hi)}`;
