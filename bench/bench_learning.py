@@ -6,8 +6,12 @@ them) through verl's ``main_ppo`` for the same number of steps, with the same nu
 seeds (the seed sets the tiny model's initialisation, the data order and the rollout's sampling):
 
 - ``at_grpo``: tree sampling (K candidates per (task, role, turn), best committed) + agent_turn groups;
-- ``traj_grpo``: K independent episodes per task, each episode's team outcome normalised over the task's K
-  episodes, one advantage per episode broadcast to its rows (classic GRPO);
+- ``traj_grpo``: K independent episodes per task, each role's return in an episode (its per-turn team and local
+  rewards summed: the same reward signal AT-GRPO normalises per turn) normalised over the task's K episodes, one
+  advantage per (episode, role) broadcast to its rows (classic GRPO with AT-GRPO's rewards);
+- ``traj_grpo_success`` (not run by default): the same with the episode's binary team outcome as every row's
+  score (``mas.trajectory_reward=success``): sparser than AT-GRPO's rewards, so a gap to it mixes reward
+  density with grouping;
 - ``parallel``: K independent episodes per task with (task, role, turn) groups (the paper's ablation: after
   the first turn the K members of a group no longer share a prompt);
 - ``at_grpo_all_rows`` (not run by default): AT-GRPO with ``mas.drop_zero_variance=false``, every row through
@@ -55,6 +59,7 @@ RECIPE = REPO / "recipes" / "at_grpo_cpu" / "run.sh"
 CONFIGS = {
     "at_grpo": ("at_grpo", ()),
     "traj_grpo": ("trajectory_grpo", ()),
+    "traj_grpo_success": ("trajectory_grpo_success", ()),
     "parallel": ("parallel_sampling", ()),
     "at_grpo_all_rows": ("at_grpo", ("mas.drop_zero_variance=false",)),
 }

@@ -25,22 +25,34 @@ SYNC_TOLERANCE = 1e-6
 
 #: The quickstart recipe (recipes/at_grpo_cpu) sized as the tests that use it as a fixture assert on it: K=4,
 #: one PPO mini-batch of 8 tasks, rows in batch order, no validation unless the test asks for it (then one
-#: greedy episode per task). The recipe's own settings (K=8, 2-task mini-batches, shuffled rows, sampled and
-#: greedy validation every 10 steps) are what `make demo` learns with; tests/test_main_ppo_at_grpo.py runs them.
+#: greedy episode per task), every row trained (no zero-variance drop). The recipe's own settings (K=8, 2-task
+#: mini-batches, shuffled rows, the drop, sampled and greedy validation every 10 steps) are what `make demo`
+#: learns with; tests/test_main_ppo_at_grpo.py runs them.
 #: A test's own overrides come after these (Hydra: the last value of a key wins).
 RELAY_TEST_SHAPE = (
     "mas.branching=4", "actor_rollout_ref.actor.ppo_mini_batch_size=8", "actor_rollout_ref.actor.shuffle=false",
     "trainer.val_before_train=false", "trainer.test_freq=-1", "actor_rollout_ref.rollout.val_kwargs.n=1",
     "actor_rollout_ref.rollout.val_kwargs.do_sample=false", "mas.val_greedy=false",
+    # Every row through log-probs and update: each policy logs its rollout-vs-actor gap every step, and a role
+    # held at zero advantage is a control that still takes its (zero-gradient) steps.
+    "mas.drop_zero_variance=false",
 )
+
+
+def rollout_gap(data: dict, policy: str | None = None) -> float:
+    """A step's rollout-vs-actor gap (of one policy): verl's ``training/rollout_probs_diff_mean``, which the mas
+    trainer logs as ``mas/kept/training/rollout_probs_diff_mean`` when ``mas.drop_zero_variance`` leaves rows
+    without signal out of the log-probs (it describes the kept rows only)."""
+    name = "training/rollout_probs_diff_mean" if policy is None else f"policy/{policy}/training/rollout_probs_diff_mean"
+    return data[name] if name in data else data[f"mas/kept/{name}"]
 
 
 def rollout_sync_problems(metrics: list[dict], tolerance: float = SYNC_TOLERANCE) -> list[str]:
     """Steps whose rollout-vs-actor probability gap says the rollout did not sample from the actor."""
     return [
-        f"step {m['step']}: training/rollout_probs_diff_mean={m['data']['training/rollout_probs_diff_mean']:.3e} > {tolerance:.0e}"
+        f"step {m['step']}: training/rollout_probs_diff_mean={rollout_gap(m['data']):.3e} > {tolerance:.0e}"
         for m in metrics
-        if m["data"]["training/rollout_probs_diff_mean"] > tolerance
+        if rollout_gap(m["data"]) > tolerance
     ]
 
 
@@ -64,9 +76,10 @@ def run_recipe(recipe: Path, run_dir: Path, *overrides: str, steps: int, python:
 
 @pytest.fixture(scope="session")
 def recipe_runs() -> SimpleNamespace:
-    """``run(recipe, run_dir, *overrides, steps=, python=, **env)``, ``sync_problems(metrics)`` and
-    ``relay_shape`` (:data:`RELAY_TEST_SHAPE`)."""
-    return SimpleNamespace(run=run_recipe, sync_problems=rollout_sync_problems, relay_shape=RELAY_TEST_SHAPE)
+    """``run(recipe, run_dir, *overrides, steps=, python=, **env)``, ``sync_problems(metrics)``,
+    ``gap(step_data, policy=None)`` (:func:`rollout_gap`) and ``relay_shape`` (:data:`RELAY_TEST_SHAPE`)."""
+    return SimpleNamespace(run=run_recipe, sync_problems=rollout_sync_problems, gap=rollout_gap,
+                           relay_shape=RELAY_TEST_SHAPE)
 
 
 @pytest.fixture(scope="session")

@@ -137,7 +137,7 @@ def test_trajectory_grpo_normalises_over_episodes_not_rows() -> None:
     rewards, mask = _rewards_on_last_token([1.0] * 2 + [0.0] * 8, [1] * 10, width=1)
     index = np.array([group_key("t", "r", 0, "trajectory", episode="0")] * 2
                      + [group_key("t", "r", 0, "trajectory", episode="1")] * 8, dtype=object)
-    assert index[0] == "t#0"
+    assert index[0] == "t|r#0"
     adv, _ = compute_at_grpo_outcome_advantage(rewards, mask, index=index, config=None)
     h = 0.5 / (math.sqrt(0.5) + 1e-6)
     assert adv[:, 0].tolist() == pytest.approx([h] * 2 + [-h] * 8, rel=1e-6)

@@ -536,8 +536,18 @@ async def test_every_key_of_the_mas_block_has_an_effect(tiny_model_dir: Path) ->
         flat = [len(set(groups.rewards[groups.ids == g].tolist())) == 1 for g in groups.ids]
         padding = np.zeros(len(tree_rows), dtype=bool)
         dropped, metrics = rows_to_drop(groups, padding, MasConfig(branching=2, drop_zero_variance=True))
-        assert dropped.tolist() == (flat if not all(flat) else [False] * len(flat)) and metrics
+        assert dropped.tolist() == flat and metrics
         assert rows_to_drop(groups, padding, MasConfig(branching=2))[0].tolist() == [False] * len(flat)
+
+    async def trajectory_reward() -> None:  # trajectory GRPO: a role's return, or the team outcome, per row
+
+        rows = [CandidateRow(workflow="w", role="r", turn=t, policy="default", reward=0.25, team_reward=float("nan"),
+                             local_reward=float("nan"), committed=True, prompt_hash=t, episode_index=t,
+                             episode_metrics={"mas/success": 1.0}) for t in range(2)]
+        block = {"grouping": "trajectory", "sampling": "parallel", "branching": 1}
+        scores = [assign_groups(rows, ["u", "u"], np.zeros(2, dtype=bool), MasConfig.from_mapping({**block, **extra}),
+                                episodes=["u_0", "u_0"]).rewards.tolist() for extra in ({}, {"trajectory_reward": "success"})]
+        assert scores == [[0.5, 0.5], [1.0, 1.0]]
 
     async def lora_base() -> None:  # LoRA policies on one base share it (an adapter each) or get a stack each
         from verl_mas.policies import policy_configs
@@ -557,7 +567,7 @@ async def test_every_key_of_the_mas_block_has_an_effect(tiny_model_dir: Path) ->
         "tie_break": tie_break, "singleton_advantage": singleton_advantage, "check_group_prompts": check_group_prompts,
         "workflow": workflow, "roles": roles_and_policies, "policies": roles_and_policies, "sandbox": sandbox_block,
         "val_branching": val_branching, "request_timeout_s": request_timeout_s,
-        "replay_poll_interval_s": replay_poll_interval_s,
+        "replay_poll_interval_s": replay_poll_interval_s, "trajectory_reward": trajectory_reward,
     }
     assert set(observations) == {f.name for f in fields(MasConfig)}
     for observe in dict.fromkeys(observations.values()):

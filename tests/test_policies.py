@@ -113,7 +113,9 @@ def test_merge_policy_metrics_prefixes_and_means() -> None:
     merged = merge_policy_metrics({"a": {"actor/grad_norm": 1.0, "x": 2}, "b": {"actor/grad_norm": 3.0}})
     assert merged == {"policy/a/actor/grad_norm": 1.0, "policy/a/x": 2, "policy/b/actor/grad_norm": 3.0,
                       "actor/grad_norm": 2.0, "x": 2.0}
-    assert merge_policy_metrics({"only": {"actor/grad_norm": 1.5}}) == {"actor/grad_norm": 1.5}
+    # A step in which one policy of several computed: its name stays on the metric.
+    assert merge_policy_metrics({"only": {"actor/grad_norm": 1.5}}) == {"policy/only/actor/grad_norm": 1.5,
+                                                                       "actor/grad_norm": 1.5}
 
 
 def test_routing_check_reads_the_workflows_named_by_the_data(tmp_path: Path) -> None:
@@ -530,3 +532,26 @@ def test_a_shared_base_client_names_each_policys_adapter() -> None:
     plain = PolicyRouterClient({"caller": Recorder(), "runner": Recorder()})  # a stack per policy: no adapter
     assert "adapter" not in asyncio.run(_route(plain, "runner"))
     assert one.calls[:2] == ["runner", "caller"]
+
+
+def test_dropping_rows_is_refused_where_dropped_rows_have_a_gradient(tmp_path: Path) -> None:
+    from verl_mas.startup import check_run_config
+
+    # A dropped row has advantage 0 but a KL-loss and an entropy term: per policy, the runner's KL loss and the
+    # caller's entropy bonus are named, with the fix; the KL penalty in the reward once for the run.
+    cfg = _cpu_recipe(tmp_path, "mas_policies=per_role_models", "mas.drop_zero_variance=true",
+                      "+mas.policies.runner.actor.use_kl_loss=true", "+mas.policies.caller.actor.entropy_coeff=0.01",
+                      "algorithm.use_kl_in_reward=true")
+    with pytest.raises(MasConfigError) as err:
+        check_run_config(cfg)
+    message = str(err.value)
+    assert message.startswith("verl_mas cannot start: 3 problem(s)"), message
+    assert "policy 'caller': mas.drop_zero_variance" in message and "actor.entropy_coeff=0.01" in message
+    assert "policy 'runner': mas.drop_zero_variance" in message and "actor.use_kl_loss=true" in message
+    assert "algorithm.use_kl_in_reward=true" in message and "Set mas.drop_zero_variance=false" in message
+    # One shared policy with a KL loss: refused as well; the same settings without the drop start.
+    with pytest.raises(MasConfigError, match="policy 'default': mas.drop_zero_variance"):
+        check_run_config(_cpu_recipe(tmp_path, "actor_rollout_ref.actor.use_kl_loss=true"))
+    check_run_config(_cpu_recipe(tmp_path, "actor_rollout_ref.actor.use_kl_loss=true", "mas.drop_zero_variance=false"))
+    check_run_config(_cpu_recipe(tmp_path, "mas_policies=per_role_models", "mas.drop_zero_variance=false",
+                                 "+mas.policies.runner.actor.use_kl_loss=true", "algorithm.use_kl_in_reward=true"))

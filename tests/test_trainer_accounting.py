@@ -146,17 +146,75 @@ def test_zero_variance_drop_keeps_every_group_with_variance_and_drops_exactly_th
     # spread would keep the flat 0.5 group and drop members of the kept groups; the expectation catches it.
     assert [r.reward == 0.0 for r in rows] != expected
 
-    # Nothing with signal: nothing is dropped, and the step says so.
+    # Nothing with signal: every row leaves (no log-prob, no optimiser step: Adam would still move the weights
+    # on zero gradients through its momentum), and the step says so.
     flat = [_grow("a", 0, 0.0), _grow("a", 0, 0.0)]
     none, metrics = rows_to_drop(assign_groups(flat, ["t", "t"], np.zeros(2, dtype=bool), MasConfig(branching=2)),
                                  np.zeros(2, dtype=bool), MasConfig(branching=2, drop_zero_variance=True))
-    assert none.tolist() == [False, False] and metrics["mas/drop/no_signal"] == 1.0 and metrics["mas/drop/rows"] == 0
-    # Per policy: a policy none of whose groups has signal keeps its rows (verl updates every policy it has),
-    # while the other policy's flat groups still go. "q" serves t2|a|0 (flat) and t3 (singleton), "p" the rest.
+    assert none.tolist() == [True, True] and metrics["mas/drop/no_signal"] == 1.0 and metrics["mas/drop/rows"] == 2
+    assert metrics["mas/drop/rows_kept"] == 0
+    # Per policy: a policy none of whose groups has signal loses all its rows (it takes no step), the other
+    # policy keeps exactly its groups with signal. "q" serves t2|a|0 (flat) and t3 (singleton), "p" the rest.
     all_flat_q = ["q" if uid == "t2" and turn == 0 or uid == "t3" else "p" for uid, _, turn, _ in spec]
     kept_q, metrics = rows_to_drop(groups, padding, MasConfig(branching=3, drop_zero_variance=True), policies=all_flat_q)
-    assert kept_q.tolist() == [e and all_flat_q[i] == "p" for i, e in enumerate(expected)]
+    assert kept_q.tolist() == expected and not any(p == "q" and not d for p, d, pad in
+                                                    zip(all_flat_q, kept_q, padding) if not pad)
     assert metrics["mas/drop/no_signal"] == 1.0
+    # Negative control: with the old rule (a policy without signal keeps its rows) q's rows would stay.
+    assert [e and all_flat_q[i] == "p" for i, e in enumerate(expected)] != kept_q.tolist()
+
+
+def test_flat_means_exactly_what_the_estimator_zeroes() -> None:
+    import torch
+
+    from verl_mas.advantage.at_grpo import at_grpo_advantages
+    from verl_mas.advantage.groups import group_stats, signal_rows
+    from verl_mas.trainer import rows_to_drop
+
+    # Rewards 0.3 and 0.3 + 1e-9: the estimator's (r - mean) / (std + 1e-6) gives them -+0.0007, not 0, so the
+    # group has signal; the drop and mas/group/zero_std_frac must agree (a tolerance of 1e-8 called it flat).
+    # Hand: centred -+5e-10, unbiased std sqrt(2 * 2.5e-19) = 7.07e-10, adv = -+5e-10 / (7.07e-10 + 1e-6).
+    rows = [_grow("a", 0, 0.3), _grow("a", 0, 0.3 + 1e-9), _grow("b", 0, 0.5), _grow("b", 0, 0.5)]
+    groups = assign_groups(rows, ["t"] * 4, np.zeros(4, dtype=bool), MasConfig(branching=2))
+    adv = at_grpo_advantages(torch.tensor(groups.rewards), groups.ids).tolist()
+    assert adv[0] == pytest.approx(-5e-10 / (7.0710678e-10 + 1e-6), rel=1e-3) and adv[2:] == [0.0, 0.0]
+    dropped, _ = rows_to_drop(groups, np.zeros(4, dtype=bool), MasConfig(branching=2, drop_zero_variance=True))
+    assert dropped.tolist() == [False, False, True, True]
+    assert group_stats(groups.ids, groups.rewards).zero_std_frac == 0.5
+    # Property over random batches with ties and near-ties: a row the drop calls signal-free has advantage
+    # exactly 0 in the estimator, and every row with a non-zero advantage is kept.
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        ids = rng.integers(0, 6, size=24)
+        scores = rng.choice([0.0, 1.0, 0.3, 0.3 + 1e-9, 0.3 + 1e-12], size=24)
+        keep = signal_rows(ids, scores)
+        a = at_grpo_advantages(torch.tensor(scores), ids).numpy()
+        assert (a[~keep] == 0).all() and keep[a != 0].all()
+
+
+def test_trajectory_grpo_scores_each_role_with_its_return_or_the_team_outcome() -> None:
+    # Two episodes of task u (parallel sampling, one candidate per node), roles a and b, two turns each:
+    #   episode 0: a's rewards 0.5, 1.0 (return 1.5), b's 0.0, 0.2 (0.2); success 1
+    #   episode 1: a's rewards 0.0, 0.5 (return 0.5), b's 0.2, 0.0 (0.2); success 0
+    spec = [(0, "a", 0, 0.5), (0, "a", 1, 1.0), (0, "b", 0, 0.0), (0, "b", 1, 0.2),
+            (1, "a", 0, 0.0), (1, "a", 1, 0.5), (1, "b", 0, 0.2), (1, "b", 1, 0.0)]
+    rows = [_grow(role, turn, reward, success=1.0 - ep, prompt=10 * ep + turn) for ep, role, turn, reward in spec]
+    episodes = [f"u_{ep}" for ep, *_ in spec]
+    padding = np.zeros(len(spec), dtype=bool)
+    mas = dict(grouping="trajectory", sampling="parallel", branching=1)
+    ret = assign_groups(rows, ["u"] * 8, padding, MasConfig(**mas), episodes=episodes)
+    assert ret.rewards.tolist() == pytest.approx([1.5, 1.5, 0.2, 0.2, 0.5, 0.5, 0.2, 0.2])
+    # Groups are (task, role): a's two episodes, b's two episodes.
+    assert len(set(ret.ids.tolist())) == 2 and ret.ids[0] == ret.ids[4] != ret.ids[2] == ret.ids[6]
+    success = assign_groups(rows, ["u"] * 8, padding, MasConfig(**mas, trajectory_reward="success"), episodes=episodes)
+    assert success.rewards.tolist() == [1.0] * 4 + [0.0] * 4
+    # Under return, b's group is flat (0.2 both times: dropped), a's has signal; under success both have signal.
+    from verl_mas.trainer import rows_to_drop
+
+    dropped, _ = rows_to_drop(ret, padding, MasConfig(**mas, drop_zero_variance=True))
+    assert dropped.tolist() == [False, False, True, True, False, False, True, True]
+    dropped, _ = rows_to_drop(success, padding, MasConfig(**mas, trajectory_reward="success", drop_zero_variance=True))
+    assert not dropped.any()
 
 
 def test_zero_variance_drop_under_trajectory_grouping_counts_episodes_not_rows() -> None:
@@ -171,7 +229,7 @@ def test_zero_variance_drop_under_trajectory_grouping_counts_episodes_not_rows()
     uids = [u for u, *_ in spec]
     episodes = [f"{u}_{e}" for u, e, _ in spec]
     padding = np.zeros(len(spec), dtype=bool)
-    mas = dict(grouping="trajectory", sampling="parallel", branching=1)
+    mas = dict(grouping="trajectory", sampling="parallel", branching=1, trajectory_reward="success")
     groups = assign_groups(rows, uids, padding, MasConfig(**mas), episodes=episodes)
     dropped, _ = rows_to_drop(groups, padding, MasConfig(**mas, drop_zero_variance=True))
     assert dropped.tolist() == [False, False, False, True, True, True, True, True]

@@ -37,6 +37,8 @@ __all__ = ["ABLATIONS", "MAS_TRAINER_MARK", "ablation", "MasConfig", "MasConfigE
 
 #: ``mas.sampling`` values: K candidates per node of one episode, or K independent episodes per task.
 SAMPLINGS = ("tree", "parallel")
+#: ``mas.trajectory_reward`` values (what a sample scores under ``grouping: trajectory``).
+TRAJECTORY_REWARDS = ("return", "success")
 #: ``mas.lora_base`` values (verl_mas.policies.adapters).
 LORA_BASES = ("shared", "per_policy")
 DEFAULT_POLICY = "default"
@@ -52,8 +54,10 @@ ROLE_KEYS = ("policy", "chat_template_kwargs")
 ABLATIONS: dict[str, tuple[str, ...]] = {
     "at_grpo": ("mas.sampling=tree", "mas.grouping=agent_turn", "mas.branching=4", "actor_rollout_ref.rollout.n=1"),
     "role_only_groups": ("mas.sampling=tree", "mas.grouping=agent", "mas.branching=4", "actor_rollout_ref.rollout.n=1"),
-    "trajectory_grpo": ("mas.sampling=parallel", "mas.grouping=trajectory", "mas.branching=1",
-                        "actor_rollout_ref.rollout.n=4"),
+    "trajectory_grpo": ("mas.sampling=parallel", "mas.grouping=trajectory", "mas.trajectory_reward=return",
+                        "mas.branching=1", "actor_rollout_ref.rollout.n=4"),
+    "trajectory_grpo_success": ("mas.sampling=parallel", "mas.grouping=trajectory", "mas.trajectory_reward=success",
+                                "mas.branching=1", "actor_rollout_ref.rollout.n=4"),
     "parallel_sampling": ("mas.sampling=parallel", "mas.grouping=agent_turn", "mas.branching=1",
                           "actor_rollout_ref.rollout.n=4"),
 }
@@ -79,6 +83,12 @@ class MasConfig(EpisodeSettings):
     grouping: str = "agent_turn"
     """Advantage groups: ``agent_turn`` (AT-GRPO: task, role, turn), ``agent`` (task, role) or
     ``trajectory`` (task: classic GRPO over whole episodes; use with ``sampling: parallel``)."""
+    trajectory_reward: str = "return"
+    """What a sample scores under ``grouping: trajectory`` (classic GRPO over whole episodes): ``return`` (default),
+    its role's summed rewards over the episode (the same per-turn team and local rewards AT-GRPO normalises per
+    turn, so the comparison with AT-GRPO isolates grouping and sampling from reward density), or ``success``, the
+    episode's binary team outcome (``mas/success``) for every role. Groups are (task, role) with episodes as
+    members either way: a role's return is its own, and under ``success`` every role of an episode scores alike."""
     sampling: str = "tree"
     """``tree``: K candidates per node, the best committed (AT-GRPO). ``parallel``: K independent episodes
     from the start state (set ``actor_rollout_ref.rollout.n`` to K; branching is forced to 1)."""
@@ -87,13 +97,17 @@ class MasConfig(EpisodeSettings):
     check_group_prompts: bool = True
     """Check on every batch that all members of a group were sampled from one prompt (raise if not)."""
     drop_zero_variance: bool = False
-    """Leave the rows of groups without signal (equal rewards, or one member under ``singleton_advantage: zero``)
-    out of the step's log-probs and update: their advantage is exactly 0, so they carry no policy gradient
-    but cost compute and, under token-mean loss aggregation, dilute the others. Whole groups are dropped
-    (the kept groups' statistics are unchanged); metrics are computed before the drop, and ``mas/drop/*``
-    counts what was dropped. The update then takes fewer mini-batches of the size the whole batch's would have
-    had (:func:`verl_mas.minibatch.dropped_rows_steps`). A policy none of whose groups has signal keeps its rows
-    (a zero-advantage update, as without dropping)."""
+    """Leave the rows of groups without signal (rewards all exactly equal, or one member under
+    ``singleton_advantage: zero``) out of the step's log-probs and update: their advantage is exactly 0, so they
+    carry no policy gradient but cost compute and, under token-mean loss aggregation, dilute the others. Whole
+    groups are dropped (the kept groups' statistics are unchanged). verl's data metrics (``critic/*``,
+    ``response_length/*``, ``perf/*``) and the ``mas/*`` metrics still describe every row; the metrics of
+    verl's log-prob pass describe the kept rows only and are logged as ``mas/kept/<verl's name>``
+    (``mas/kept/actor/entropy``, ``mas/kept/training/rollout_probs_diff_mean``); ``mas/drop/*`` counts what was
+    dropped. The update takes fewer mini-batches of the size the whole batch's would have had
+    (:func:`verl_mas.minibatch.dropped_rows_steps`); a policy none of whose groups has signal takes no optimiser
+    step that step (``mas/drop/no_signal``). Refused at start-up with a KL loss, an entropy bonus or a KL penalty
+    in the reward, which give dropped rows a gradient (:func:`verl_mas.startup.drop_problems`)."""
     workflow: str | None = None
     """Workflow id for rows that do not name one (rows from ``python -m verl_mas.data`` always do)."""
     roles: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
@@ -153,6 +167,7 @@ class MasConfig(EpisodeSettings):
             ("sampling", self.sampling, SAMPLINGS),
             ("singleton_advantage", self.singleton_advantage, SINGLETON_POLICIES),
             ("lora_base", self.lora_base, LORA_BASES),
+            ("trajectory_reward", self.trajectory_reward, TRAJECTORY_REWARDS),
         ):
             if value not in allowed:
                 out.append(f"mas.{name} is {value!r}; use one of {list(allowed)}.")

@@ -19,7 +19,7 @@ from verl_mas.policies import policy_configs_and_problems, shared_rollout_proble
 from verl_mas.policies.adapters import ADAPTERS_KEY, adapter_plan, shared_base_plan
 from verl_mas.routing import RoleRouter, roles_of_workflows, workflows_in_data
 
-__all__ = ["check_run_config", "prepare_verl_config"]
+__all__ = ["check_run_config", "drop_problems", "prepare_verl_config"]
 
 
 def check_run_config(config: Any) -> tuple[MasConfig, dict[str, Any]]:
@@ -82,6 +82,8 @@ def check_run_config(config: Any) -> tuple[MasConfig, dict[str, Any]]:
                 primary = configs[mas.policy_names[0]]
                 with open_dict(primary):
                     primary.rollout.custom = {**dict(primary.rollout.get("custom") or {}), ADAPTERS_KEY: plan}
+    if mas.drop_zero_variance:
+        problems.extend(drop_problems(config, configs or {mas.policy_names[0]: config.actor_rollout_ref}))
     if mas.multi_policy and isinstance(mas.roles, Mapping):
         workflows = workflows_in_data(config) or ([mas.workflow] if mas.workflow else [])
         problems.extend(RoleRouter.from_mas(mas).problems(roles_of_workflows(workflows)))
@@ -90,6 +92,41 @@ def check_run_config(config: Any) -> tuple[MasConfig, dict[str, Any]]:
             f"verl_mas cannot start: {len(problems)} problem(s) in the config:\n  - " + "\n  - ".join(problems)
         )
     return mas, configs
+
+
+def drop_problems(config: Any, policy_configs: Mapping[str, Any]) -> list[str]:
+    """Why ``mas.drop_zero_variance`` would change the loss of a run: one message per policy (and for the KL
+    penalty in the reward).
+
+    A dropped row's advantage is exactly 0, so it carries no policy-gradient term; but a KL loss
+    (``actor.use_kl_loss``) and an entropy bonus (``actor.entropy_coeff``) have terms on every row, and a KL
+    penalty in the reward (``algorithm.use_kl_in_reward``) gives flat groups non-zero advantages. Dropping rows
+    would silently change those runs, so the combination is refused.
+    """
+    out = []
+    if config.algorithm.get("use_kl_in_reward", False):
+        out.append(
+            "mas.drop_zero_variance leaves groups whose rewards are all equal out of the update, but "
+            "algorithm.use_kl_in_reward=true subtracts a per-token KL penalty from those rewards, so their "
+            "advantages are not 0 and dropping them would change the update. Set mas.drop_zero_variance=false, "
+            "or algorithm.use_kl_in_reward=false."
+        )
+    for name, arr in policy_configs.items():
+        actor = arr.actor
+        terms = []
+        if actor.get("use_kl_loss", False):
+            terms.append("actor.use_kl_loss=true (a KL loss to the reference on every row)")
+        coeff = float(actor.get("entropy_coeff", 0.0) or 0.0)
+        if coeff != 0.0:
+            terms.append(f"actor.entropy_coeff={coeff:g} (an entropy term on every row)")
+        if terms:
+            out.append(
+                f"policy {name!r}: mas.drop_zero_variance leaves the rows of groups without signal out of the "
+                f"update, but {' and '.join(terms)} gives those rows a gradient, so dropping them would change "
+                "the loss. Set mas.drop_zero_variance=false, or turn the term off for this policy "
+                "(actor.use_kl_loss=false, actor.entropy_coeff=0)."
+            )
+    return out
 
 
 def prepare_verl_config(config: Any, mas: MasConfig, policy_configs: dict[str, Any]) -> None:

@@ -20,6 +20,10 @@ It also pads each batch so that verl's PPO update takes stock verl's number of m
 row count (:mod:`verl_mas.minibatch`) and stops a step in which an episode raised instead of training on
 the rest. Several policies (one model or one LoRA adapter per role) are the business of
 :class:`verl_mas.policies.stacks.MultiPolicyTrainer`, mixed in: with one policy its hooks are verl's own.
+
+Why one module of ~500 lines: the hooks, the group assignment, the per-step metrics and the zero-variance
+drop (:func:`rows_to_drop`, :func:`kept_rows_metrics`) each decide which rows of one step count where; kept
+together, the whole row accounting of a step reads top to bottom in one place.
 """
 
 from __future__ import annotations
@@ -73,6 +77,8 @@ class MasTrainer(MultiPolicyTrainer, PPOTrainerSync):
         self.mas, self._policy_configs = check_run_config(config)
         prepare_verl_config(config, self.mas, self._policy_configs)
         self._sampled: dict[str, SampledPrompts] = {}
+        self._trained: Any = None  # this step's rows that log-probs and the update run on (see _balance_batch)
+        self._dropped_keys: list[str] = []
         super().__init__(config)
 
     def _build_replay_buffer(self) -> Any:
@@ -89,7 +95,10 @@ class MasTrainer(MultiPolicyTrainer, PPOTrainerSync):
         ppo_mini_batch_size)`` mini-batches of whole per-rank shares (:mod:`verl_mas.minibatch`), and the
         mini-batch size is set for the call to what verl's asserts accept for this batch.
         """
-        return self._per_policy(batch, metrics, lambda v, b, m: v._update_policy_actor(b, m), "update_actor")
+        trained = self._training_rows(batch)
+        if trained is not None:
+            self._per_policy(trained, metrics, lambda v, b, m: v._update_policy_actor(b, m), "update_actor")
+        return batch
 
     def _get_required_batch_multiple(self, dp_size: int) -> int:
         # verl's _balance_batch pads each (policy's) batch to this multiple: with it the update below
@@ -111,29 +120,67 @@ class MasTrainer(MultiPolicyTrainer, PPOTrainerSync):
 
     def _balance_batch(self, batch: Any, metrics: dict, logging_prefix: str = "global_seqlen",
                        keep_minibatch: bool = False) -> Any:
-        """The step's ``mas/*`` metrics over the whole rollout, then (``mas.drop_zero_variance``) the rows
-        without signal leave the batch, before verl pads, balances and computes any log-prob.
+        """The step's ``mas/*`` metrics over the whole rollout, then (``mas.drop_zero_variance``) the split into the
+        rows that train and the rows without signal, before verl pads, balances and computes any log-prob.
 
         This is the first hook of verl's step after the rollout (and the colocated reward) with every row in
-        hand; metrics are computed here so that they describe every episode whether or not rows are dropped.
+        hand. With the drop on, only the rows with signal (:func:`rows_to_drop`) are padded, balanced and handed
+        to log-probs and the update (``self._trained``); the batch returned (and so the one verl computes its
+        data metrics on, dumps and clears at the end of the step) still holds every row, so that
+        ``critic/score``, ``response_length``, ``perf/total_num_tokens``, ... describe the whole rollout.
         """
         _, rows, episodes, padding, groups = self._batch_groups(batch, ("uid", "extra_fields"))
-        batch_keys = list(batch.keys)
         sampled = self._sampled.get("train")
         expected = None if sampled is None else len(sampled.uids) * int(self.config.actor_rollout_ref.rollout.n)
         metrics.update(mas_metrics(rows, groups, padding, episodes, expected_episodes=expected))
         dropped, drop_metrics = rows_to_drop(groups, padding, self.mas, policies=[r.policy for r in rows])
         metrics.update(drop_metrics)
-        if dropped.any():  # cleared at once: verl clears only the keys of the batch it ends the step with
-            tq.kv_clear(keys=[k for k, d in zip(batch.keys, dropped, strict=True) if d], partition_id=batch.partition_id)
-            before = Counter(r.policy for r, pad in zip(rows, padding, strict=True) if not pad)
-            batch = batch.select_keys([k for k, d in zip(batch.keys, dropped, strict=True) if not d])
-            # The update takes fewer mini-batches of the size it would have had (verl_mas.minibatch.dropped_rows_steps);
-            # each kept row carries its policy's row count before the drop (verl's padding copies a real row's tags).
-            kept = {k: r for k, r, d in zip(batch_keys, rows, dropped, strict=True) if not d}
-            for key, tag in zip(batch.keys, batch.tags, strict=True):
-                tag[ROWS_BEFORE_DROP_TAG] = before[kept[key].policy]
-        return super()._balance_batch(batch, metrics, logging_prefix=logging_prefix, keep_minibatch=keep_minibatch)
+        self._trained, self._dropped_keys = batch, []
+        if not self.mas.drop_zero_variance:
+            return super()._balance_batch(batch, metrics, logging_prefix=logging_prefix, keep_minibatch=keep_minibatch)
+        keys = list(batch.keys)
+        self._dropped_keys = [k for k, d in zip(keys, dropped, strict=True) if d]
+        rest = batch.select_keys(self._dropped_keys)
+        kept_rows = {k: r for k, r, d in zip(keys, rows, dropped, strict=True) if not d}
+        if not kept_rows:  # no policy has signal: no log-prob, no optimiser step this step (mas/drop/no_signal)
+            self._trained, self._policy_keys = None, {}
+            rest.extra_info = dict(batch.extra_info or {})
+            return rest
+        trained = batch.select_keys(list(kept_rows))
+        # The update takes fewer mini-batches of the size it would have had (verl_mas.minibatch.dropped_rows_steps);
+        # each kept row carries its policy's row count before the drop (verl's padding copies a real row's tags).
+        before = Counter(r.policy for r, pad in zip(rows, padding, strict=True) if not pad)
+        for key, tag in zip(trained.keys, trained.tags, strict=True):
+            tag[ROWS_BEFORE_DROP_TAG] = before[kept_rows[key].policy]
+        trained.extra_info = dict(batch.extra_info or {})
+        trained = super()._balance_batch(trained, metrics, logging_prefix=logging_prefix, keep_minibatch=keep_minibatch)
+        self._trained = trained
+        if not self._dropped_keys:
+            return trained
+        full = type(batch).concat([trained, rest])
+        full.extra_info = dict(batch.extra_info or {})
+        return full
+
+    def _training_rows(self, batch: Any) -> Any:
+        """The rows of ``batch`` that log-probs and the update run on: all of them, or (``mas.drop_zero_variance``)
+        the balanced rows with signal; None when no row has signal this step."""
+        if not self.mas.drop_zero_variance:
+            return batch
+        return self._trained
+
+    def _compute_old_log_prob(self, batch: Any, metrics: dict) -> Any:
+        trained = self._training_rows(batch)
+        if trained is not None:
+            out: dict = {}
+            super()._compute_old_log_prob(trained, metrics=out)
+            metrics.update(kept_rows_metrics(out) if self.mas.drop_zero_variance else out)
+        return batch
+
+    def _compute_ref_log_prob(self, batch: Any, metrics: dict) -> Any:
+        trained = self._training_rows(batch)
+        if trained is not None:
+            super()._compute_ref_log_prob(trained, metrics=metrics)
+        return batch
 
     def _batch_groups(self, batch: Any, fields: Sequence[str]) -> tuple[Any, list[CandidateRow], list[str], np.ndarray,
                                                                           GroupAssignment]:
@@ -152,7 +199,8 @@ class MasTrainer(MultiPolicyTrainer, PPOTrainerSync):
         response_mask = data["response_mask"]
         keys, rewards = groups.keys, groups.rewards
 
-        # Token-level scores: each row's own reward on its last response token.
+        # Token-level scores of every row (verl's data metrics read them): each row's own reward on its last
+        # response token.
         lengths = response_mask.offsets().diff().tolist()
         scores = [torch.zeros(n, dtype=torch.float32) for n in lengths]
         for row, n in enumerate(lengths):
@@ -167,11 +215,41 @@ class MasTrainer(MultiPolicyTrainer, PPOTrainerSync):
         )
         tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id, fields=fields)
         try:
-            batch = super()._compute_advantage(batch, metrics=metrics)
+            trained = self._training_rows(batch)
+            if trained is not None:
+                super()._compute_advantage(trained, metrics=metrics)
+            if self._dropped_keys:
+                # Rows of groups without signal: the estimator's advantage is exactly 0 for each of them
+                # (rows_to_drop keeps every row it could give another value), and so is the return.
+                dropped = set(self._dropped_keys)
+                zeros = [torch.zeros(n, dtype=torch.float32) for k, n in zip(batch.keys, lengths, strict=True)
+                         if k in dropped]
+                nested = torch.nested.as_nested_tensor(zeros, layout=torch.jagged)
+                order = [k for k in batch.keys if k in dropped]
+                tq.kv_batch_put(keys=order, partition_id=batch.partition_id,
+                                fields=TensorDict({"advantages": nested, "returns": nested.clone()},
+                                                  batch_size=len(order)))
         finally:
             restore = TensorDict({"uid": NonTensorStack(*uids)}, batch_size=len(uids))
             tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id, fields=restore)
         return batch
+
+
+#: Where a metric of verl's log-prob pass is logged when ``mas.drop_zero_variance`` is on: it describes only the
+#: rows that trained (log-probs are not computed for the others), so it does not take verl's name, which
+#: describes the whole batch in stock verl.
+KEPT_PREFIX = "mas/kept/"
+_LOG_PROB_METRICS = ("actor/entropy", "training/rollout_probs_diff", "training/rollout_actor_probs_pearson_corr")
+
+
+def kept_rows_metrics(metrics: Mapping[str, Any]) -> dict[str, Any]:
+    """verl's log-prob metrics (``actor/entropy``, ``training/rollout_probs_diff_*``, ..., also as
+    ``policy/<name>/...``) renamed ``mas/kept/<verl's name>``; the others unchanged."""
+    out = {}
+    for key, value in metrics.items():
+        name = key.split("/", 2)[2] if key.startswith("policy/") and key.count("/") >= 2 else key
+        out[KEPT_PREFIX + key if name.startswith(_LOG_PROB_METRICS) else key] = value
+    return out
 
 
 @dataclass(frozen=True)
@@ -217,13 +295,14 @@ def tune_replay_buffer(buffer: Any, mas: MasConfig, sampled: dict[str, SampledPr
 
 def rows_to_drop(groups: GroupAssignment, padding: np.ndarray, mas: MasConfig,
                  policies: Sequence[str] | None = None) -> tuple[np.ndarray, dict[str, float]]:
-    """``mas.drop_zero_variance``: the ``(bs,)`` mask of rows to leave out of the update, and ``mas/drop/*`` metrics.
+    """``mas.drop_zero_variance``: the ``(bs,)`` mask of rows to leave out of log-probs and the update, and
+    ``mas/drop/*`` metrics.
 
-    The rows of groups whose advantage is 0 for every member (:func:`verl_mas.advantage.groups.signal_rows`;
-    whole groups, so every kept group's baseline is unchanged). A policy none of whose groups has signal keeps
-    all its rows (``mas/drop/no_signal`` counts such policies): verl's step needs rows for every policy it
-    updates, and a zero-advantage update is what its step would have been without dropping. With the setting
-    off: nothing, and no metrics.
+    The rows of groups whose advantage is exactly 0 for every member
+    (:func:`verl_mas.advantage.groups.signal_rows`; whole groups, so every kept group's baseline is unchanged).
+    A policy none of whose groups has signal keeps no row: it takes no optimiser step this step (Adam's
+    momentum would move its weights on zero gradients) and needs no log-prob; ``mas/drop/no_signal`` counts
+    such policies. With the setting off: nothing, and no metrics.
 
     Args:
         policies: Each row's policy (default: one policy).
@@ -232,18 +311,13 @@ def rows_to_drop(groups: GroupAssignment, padding: np.ndarray, mas: MasConfig,
         return np.zeros(len(padding), dtype=bool), {}
     real = ~padding
     members = None
-    if mas.grouping == "trajectory":  # a member is an episode, whose rows share its outcome
+    if mas.grouping == "trajectory":  # a member is an episode, whose rows (of one role) share one score
         members = [key.rpartition(MEMBER_SEP)[2] if MEMBER_SEP in key else key for key in groups.keys]
     keep = signal_rows(groups.ids, groups.rewards, members=members,
                        keep_singletons=mas.singleton_advantage == "raw") | padding
     dropped = real & ~keep
     owners = np.array(["" for _ in padding] if policies is None else list(policies), dtype=object)
-    no_signal = 0
-    for policy in sorted(set(owners[real].tolist())):
-        mine = real & (owners == policy)
-        if not (keep & mine).any():  # nothing of this policy has signal: it keeps its rows
-            dropped &= ~mine
-            no_signal += 1
+    no_signal = sum(not (keep & real & (owners == p)).any() for p in sorted(set(owners[real].tolist())))
     return dropped, {
         "mas/drop/rows": float(dropped.sum()),
         "mas/drop/groups": float(len(set(groups.ids[dropped].tolist()))),
@@ -278,6 +352,8 @@ def mas_metrics(
     roles, turns, rewards, ids = groups.roles, groups.turns, groups.rewards, groups.ids
     real = ~padding
     out = group_stats(ids[real], rewards[real]).as_metrics()
+    # Every row's score, as verl's critic/score/mean reads it (before any row is dropped from the update).
+    out["mas/reward/mean"] = float(rewards[real].mean()) if real.any() else 0.0
     by_role: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     role_turns: dict[str, dict[str, set[int]]] = defaultdict(lambda: defaultdict(set))
     per_episode: dict[str, Mapping[str, float]] = {}
@@ -347,9 +423,10 @@ def assign_groups(
 
     - ``agent_turn`` (AT-GRPO): (task, role, turn); with tree sampling the K members share one prompt.
     - ``agent``: (task, role) across turns; each row keeps its own (role, turn) reward.
-    - ``trajectory`` (classic GRPO, with parallel sampling): every row scores its episode's outcome
-      (``mas/success``); the estimator normalises over the task's *episodes* (one advantage per
-      episode, broadcast to its rows), not over rows.
+    - ``trajectory`` (classic GRPO, with parallel sampling): (task, role) over episodes; every row scores its
+      role's return in the episode (``mas.trajectory_reward: return``, the sum of the role's rewards) or the
+      episode's outcome (``success``: ``mas/success``); the estimator normalises over the *episodes* (one
+      advantage per episode and role, broadcast to its rows), not over rows.
 
     Args:
         rows: Each row's contract fields, as the ``mas`` agent loop wrote them.
@@ -365,8 +442,15 @@ def assign_groups(
     episodes = list(uids) if episodes is None else list(episodes)
     roles = [r.role for r in rows]
     turns = np.array([r.turn for r in rows], dtype=np.int64)
-    if mas.grouping == "trajectory":
+    if mas.grouping == "trajectory" and mas.trajectory_reward == "success":
         rewards = np.array([_episode_outcome(r) for r in rows], dtype=np.float64)
+    elif mas.grouping == "trajectory":  # the role's return: its rewards summed over the episode
+        returns: dict[tuple[str, str], float] = defaultdict(float)
+        for i, r in enumerate(rows):
+            if not padding[i]:
+                returns[(episodes[i], r.role)] += float(r.reward)
+        rewards = np.array([returns.get((episodes[i], r.role), float(r.reward)) for i, r in enumerate(rows)],
+                           dtype=np.float64)
     else:
         rewards = np.array([r.reward for r in rows], dtype=np.float64)
     keys = [
@@ -374,7 +458,7 @@ def assign_groups(
         else group_key(uids[i], roles[i], int(turns[i]), mas.grouping, episode=episodes[i].rpartition("_")[2])
         for i in range(len(uids))
     ]
-    # The group of a key (for trajectory keys "<task>#<episode>": the task, as the estimator reads them).
+    # The group of a key (for trajectory keys "<task>|<role>#<episode>": the task and role, as the estimator reads them).
     ids = group_ids([k.rpartition(MEMBER_SEP)[0] if MEMBER_SEP in k else k for k in keys], grouping="trajectory")
     real = np.flatnonzero(~padding)
     problems = group_invariant_problems(
@@ -399,12 +483,12 @@ def _as_list(values: Any) -> list:
 
 
 def _episode_outcome(row: CandidateRow) -> float:
-    """The whole-episode reward used by ``grouping: trajectory`` (classic GRPO): the team outcome."""
+    """The whole-episode reward used by ``grouping: trajectory`` with ``trajectory_reward: success``: the team outcome."""
     if "mas/success" not in row.episode_metrics:
         raise ValueError(
-            f"mas.grouping=trajectory scores every sample with its episode's outcome, but workflow "
-            f"{row.workflow!r} reports no 'mas/success' metric. Set self.metrics['mas/success'] in "
-            "the workflow, or use mas.grouping=agent_turn."
+            f"mas.grouping=trajectory with mas.trajectory_reward=success scores every sample with its episode's "
+            f"outcome, but workflow {row.workflow!r} reports no 'mas/success' metric. Set "
+            "self.metrics['mas/success'] in the workflow, or use mas.trajectory_reward=return."
         )
     return float(row.episode_metrics["mas/success"])
 

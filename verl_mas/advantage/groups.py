@@ -38,15 +38,16 @@ def group_key(task_uid: str, role: str, turn: int, grouping: str = "agent_turn",
     """The printable group key of a candidate under a grouping mode, e.g. ``"3f2a...|planner|1"``.
 
     ``agent_turn`` is the engine's own key (:func:`verl_mas.episode.group_key`); ``agent`` drops the turn;
-    ``trajectory`` is the task with the episode as the member: ``"3f2a...#2"`` (the ``at_grpo``
-    estimator takes its statistics over episodes, one advantage per episode broadcast to its rows).
+    ``trajectory`` is (task, role) with the episode as the member: ``"3f2a...|planner#2"`` (the ``at_grpo``
+    estimator takes its statistics over the role's episodes, one advantage per (episode, role) broadcast to its
+    rows).
 
     Args:
         task_uid: verl's uid of the dataset row (one task; shared by the K candidates of every node).
         role: The acting role.
         turn: The 0-based turn.
         grouping: ``agent_turn`` (AT-GRPO: task, role, turn), ``agent`` (task, role) or ``trajectory``
-            (task; members are episodes).
+            (task, role; members are episodes).
         episode: The episode of the task (verl's session id; ``rollout.n`` episodes per task).
     """
     for name, value in (("task uid", task_uid), ("role", role)):
@@ -60,7 +61,7 @@ def group_key(task_uid: str, role: str, turn: int, grouping: str = "agent_turn",
     if grouping == "agent":
         return f"{task_uid}{GROUP_KEY_SEP}{role}"
     if grouping == "trajectory":
-        return f"{task_uid}{MEMBER_SEP}{episode}"
+        return f"{task_uid}{GROUP_KEY_SEP}{role}{MEMBER_SEP}{episode}"
     raise ValueError(f"Unknown grouping {grouping!r}; expected one of {GROUPING_MODES}.")
 
 
@@ -119,24 +120,29 @@ class GroupStats:
         }
 
 
-def _size_and_flat(ids: np.ndarray, scores: np.ndarray, atol: float) -> tuple[np.ndarray, np.ndarray]:
-    """Per dense group id: its member count, and whether its scores are all equal (within ``atol``)."""
+def _size_and_flat(ids: np.ndarray, scores: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per dense group id: its member count, and whether its scores are all exactly equal.
+
+    Exact, as the ``at_grpo`` estimator's zero-variance rule (it zeroes a group's advantages iff its highest and
+    lowest scores are equal): a group whose rewards differ by 1e-9 still gets non-zero advantages there
+    (``(r - mean) / (std + eps)``), so it counts as having signal here too.
+    """
     n = int(ids.max()) + 1
     size = np.bincount(ids, minlength=n)
     hi = np.full(n, -np.inf)
     lo = np.full(n, np.inf)
     np.maximum.at(hi, ids, scores)
     np.minimum.at(lo, ids, scores)
-    return size, hi - lo <= atol
+    return size, hi - lo == 0
 
 
-def group_stats(ids: np.ndarray, scores: np.ndarray, atol: float = 1e-8) -> GroupStats:
+def group_stats(ids: np.ndarray, scores: np.ndarray) -> GroupStats:
     """Group counts, mean size, singleton and zero-variance fractions for dense ``ids``."""
     ids = np.asarray(ids, dtype=np.int64)
     scores = np.asarray(scores, dtype=np.float64)
     if ids.size == 0:
         return GroupStats(0, 0.0, 0.0, 0.0)
-    size, flat = _size_and_flat(ids, scores, atol)
+    size, flat = _size_and_flat(ids, scores)
     present = size > 0
     multi = size > 1
     zero_std = multi & flat
@@ -155,11 +161,10 @@ def signal_rows(
     *,
     members: Sequence[object] | None = None,
     keep_singletons: bool = False,
-    atol: float = 1e-8,
 ) -> np.ndarray:
     """``(bs,)`` bool: the rows whose group-normalised advantage can be non-zero.
 
-    A group whose scores are all equal (within ``atol``, as :func:`group_stats` counts ``zero_std_frac``) gives
+    A group whose scores are all exactly equal (as :func:`group_stats` counts ``zero_std_frac``) gives
     every member advantage exactly 0, and so does a one-member group unless ``keep_singletons`` (the estimator's
     ``singleton_advantage: raw`` gives it its score). Such rows carry no policy gradient; the others are kept
     with their whole group, so each kept group's mean and std are those of the full batch.
@@ -175,7 +180,7 @@ def signal_rows(
     scores = np.asarray(scores, dtype=np.float64)
     if ids.size == 0:
         return np.zeros(0, dtype=bool)
-    size, flat = _size_and_flat(ids, scores, atol)
+    size, flat = _size_and_flat(ids, scores)
     if members is not None:  # members per group, not rows
         pairs = {(int(g), m) for g, m in zip(ids, members, strict=True)}
         size = np.bincount(np.fromiter((g for g, _ in pairs), dtype=np.int64, count=len(pairs)), minlength=size.size)
@@ -227,7 +232,7 @@ def group_invariant_problems(
       (under ``agent_turn`` a node is a group; under ``agent`` a group spans the turns of its role);
     - ``parallel`` sampling: a node holds one candidate (K independent episodes, one sample each), so a
       group never counts one episode twice;
-    - ``trajectory``: a member (episode) lies in one group.
+    - ``trajectory``: one role per group, and a member (an episode's rows of one role) lies in one group.
 
     Returns:
         One message per violated invariant, naming up to ``limit`` offending groups with their rows.
@@ -251,8 +256,7 @@ def group_invariant_problems(
                    f"mas.sampling={sampling} rules out: " + "; ".join(examples))
 
     report(prompt_mismatches(ids, task_uids, limit=limit), "task", task_uids)
-    if grouping in ("agent_turn", "agent"):
-        report(prompt_mismatches(ids, roles, limit=limit), "role", roles)
+    report(prompt_mismatches(ids, roles, limit=limit), "role", roles)
     if grouping == "agent_turn":
         report(prompt_mismatches(ids, list(map(int, turns)), limit=limit), "turn", list(map(int, turns)))
     node, _ = _codes([f"{u}{GROUP_KEY_SEP}{e}{GROUP_KEY_SEP}{r}{GROUP_KEY_SEP}{int(t)}"
@@ -270,10 +274,11 @@ def group_invariant_problems(
                 + "; ".join(str(r[:8]) for r in rows)
             )
     if grouping == "trajectory":
-        member, _ = _codes([f"{u}{MEMBER_SEP}{e}" for u, e in zip(task_uids, episodes, strict=True)])
+        member, _ = _codes([f"{u}{GROUP_KEY_SEP}{r}{MEMBER_SEP}{e}"
+                            for u, e, r in zip(task_uids, episodes, roles, strict=True)])
         spread = prompt_mismatches(member, ids.tolist(), limit=limit)
         if spread:
             rows = [np.flatnonzero(member == m).tolist()[:8] for m in spread]
             out.append(f"{len(spread)} episode(s) lie in several groups, but mas.grouping=trajectory gives each "
-                       f"episode one advantage in its task's group: rows {'; '.join(map(str, rows))}")
+                       f"episode one advantage per role in its (task, role) group: rows {'; '.join(map(str, rows))}")
     return out

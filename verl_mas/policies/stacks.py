@@ -383,10 +383,9 @@ class MultiPolicyTrainer:
 def merge_policy_metrics(per_policy: dict[str, dict]) -> dict[str, float]:
     """``policy/<name>/<metric>`` for every policy's metrics, and verl's name with the mean over policies.
 
-    With one policy the metrics pass through unchanged.
+    Called in runs with several policies only; a step in which one of them computed (the others had no row
+    with signal, ``mas.drop_zero_variance``) still names it, so a policy's series never changes name.
     """
-    if len(per_policy) == 1:
-        return dict(next(iter(per_policy.values())))
     out: dict[str, Any] = {}
     pooled: dict[str, list[float]] = defaultdict(list)
     for name, metrics in per_policy.items():
