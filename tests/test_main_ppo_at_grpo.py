@@ -77,7 +77,7 @@ def test_at_grpo_trains_a_two_role_workflow_through_main_ppo(tmp_path: Path, rec
             dropped_steps += 1
     assert dropped_steps > 0  # the drop happened, so the checks above compared two different row sets
     # Validation after the last step: single-sample (mas.val_branching=1) episodes on the 16 test tasks, 4 sampled
-    # at the training temperature (val_kwargs) and one greedy per session (mas.val_greedy), reported by verl from
+    # at the training temperature (val_kwargs) and one greedy per task, read by its 4 sessions (mas.val_greedy), reported by verl from
     # the agent loop's reward_extra_info as val-core/<source>/acc/mean@4 and val-aux/<source>/acc_greedy/mean@4.
     last = metrics[-1]["data"]
     val = {k: last[k] for k in ("val-core/relay-v0/acc/mean@4", "val-aux/relay-v0/acc_greedy/mean@4")}
