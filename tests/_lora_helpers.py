@@ -6,9 +6,9 @@ Used by ``tests/test_shared_lora_cpu.py`` through ``_fsdp_helpers.run_scenario``
 config, called as verl's trainer calls it. The rollout side is verl_mas's ``hf`` engine
 (``HFGenerationEngine.load_adapters``) fed with the actor's weight-sync stream.
 
-Adapters: ``caller`` rank 4 (alpha 8, verl's "default" adapter) and ``runner`` rank 2 (alpha 4, its own
-learning rate). Both adapters' B matrices are set to non-zero values before anything is checked, so a
-request or an update reaching the wrong adapter changes the numbers.
+Adapters: ``caller`` rank 4 (alpha 8, verl's "default" adapter, verl's ``clip_grad`` 1.0) and ``runner``
+rank 2 (alpha 4, its own learning rate and ``clip_grad`` 1e-9). Both adapters' B matrices are set to non-zero
+values before anything is checked, so a request or an update reaching the wrong adapter changes the numbers.
 
 Writes ``WORKDIR/result.json``, the tiny model under ``WORKDIR/tiny`` and checkpoints under ``WORKDIR/ckpt``.
 """
@@ -25,6 +25,11 @@ from _fsdp_helpers import ADVANTAGES, FixedBatch, actor_overrides, scenario_main
 RANKS = {"caller": 4, "runner": 2}
 ALPHAS = {"caller": 8, "runner": 4}
 RUNNER_LR = 2e-3
+#: The runner's gradient-norm bound (the caller keeps verl's actor.optim.clip_grad, 1.0).
+RUNNER_CLIP = 1e-9
+#: A checkpoint key mapping as transformers models declared it (``_checkpoint_conversion_mapping``: checkpoint
+#: pattern -> module name), which verl's ``convert_weight_keys`` reverses for the rollout.
+CONVERSION = {"^transformer.h": "model.layers"}
 
 
 def _scenario(workdir: Path) -> dict[str, Any]:
@@ -43,7 +48,7 @@ def _scenario(workdir: Path) -> dict[str, Any]:
 
     model_path = write_tiny(workdir / "tiny")
     plan = {p: {"rank": RANKS[p], "alpha": ALPHAS[p], "optim": {}} for p in RANKS}
-    plan["runner"]["optim"] = {"lr": RUNNER_LR}
+    plan["runner"]["optim"] = {"lr": RUNNER_LR, "clip_grad": RUNNER_CLIP}
 
     def build() -> SharedBaseLoraWorker:
         with initialize_config_module("verl.trainer.config", version_base=None):
@@ -124,11 +129,18 @@ def _scenario(workdir: Path) -> dict[str, Any]:
     except ValueError as exc:
         out["request_without_adapter"] = str(exc)
 
+    # ---- the first sync of a rollout started without weights: the base, through verl's key conversion
+    out.update(_base_sync(engine, base_model))
+
     # ---- updates: each activates one adapter; only it (and its optimiser) may move
     reports = [actor.mas_adapter_report()]
+    out["update_max_step"] = {}
     for policy in ("caller", "runner"):
         actor.mas_set_adapter(policy)
+        before = _adapter_params(module, engine._peft_name(policy))
         batch.update(actor, ADVANTAGES)
+        after = _adapter_params(module, engine._peft_name(policy))
+        out["update_max_step"][policy] = max((after[n] - before[n]).abs().max().item() for n in before)
         reports.append(actor.mas_adapter_report())
     out["reports_updates"] = reports
     # Negative control: an update while the caller's adapter is active, meant for the runner
@@ -164,6 +176,62 @@ def _scenario(workdir: Path) -> dict[str, Any]:
     out["report_continued"] = actor.mas_adapter_report()
     out["report_resumed_continued"] = resumed.mas_adapter_report()
     out["total_s"] = time.perf_counter() - t_start
+    return out
+
+
+def _adapter_params(module: Any, peft_name: str) -> dict[str, Any]:
+    """Full copies of one adapter's parameters (``...lora_A.<peft name>.weight``)."""
+    return {n: p.detach().full_tensor().clone() for n, p in module.named_parameters() if f".{peft_name}." in n}
+
+
+def _base_sync(engine: Any, base_model: Any) -> dict[str, Any]:
+    """What the first sync (``base_sync_done=False``) sends and when it gathers each full tensor.
+
+    ``DTensor.full_tensor`` is counted (restored afterwards): the sync gathers a base tensor when the rollout
+    reads it, so after receiving k tensors k have been gathered and none of the k - 1 earlier ones is still
+    alive (the rollout dropped them). Then the same sync with :data:`CONVERSION` declared on the model.
+    """
+    import gc
+    import inspect
+    import weakref
+
+    from torch.distributed.tensor import DTensor
+
+    gathered = [0]
+    full_tensor = DTensor.full_tensor
+
+    def counting(self: Any, *args: Any, **kwargs: Any) -> Any:
+        gathered[0] += 1
+        return full_tensor(self, *args, **kwargs)
+
+    reference = base_model.state_dict()
+    out: dict[str, Any] = {}
+    DTensor.full_tensor = counting
+    try:
+        stream, _ = engine.get_per_tensor_param(base_sync_done=False)
+        out["base_sync_is_generator"] = inspect.isgenerator(stream)
+        out["base_sync_gathered_at_return"] = gathered[0]
+        steps, earlier, names, worst = [], [], [], 0.0
+        for name, tensor in stream:
+            gc.collect()
+            steps.append([gathered[0], sum(ref() is not None for ref in earlier)])
+            names.append(name)
+            if name in reference:
+                worst = max(worst, (tensor - reference[name]).abs().max().item())
+            earlier.append(weakref.ref(tensor))
+            del tensor
+        out["base_sync_steps"], out["base_sync_names"], out["base_sync_max_diff"] = steps, names, worst
+    finally:
+        DTensor.full_tensor = full_tensor
+    out["base_model_names"] = sorted(reference)
+    out["adapter_sync_names"] = [n for n, _ in engine.get_per_tensor_param(base_sync_done=True)[0]]
+    hf_model = engine._peft_model().base_model.model
+    hf_model._checkpoint_conversion_mapping = CONVERSION
+    try:
+        out["base_sync_names_converted"] = [n for n, _ in engine.get_per_tensor_param(base_sync_done=False)[0]]
+        out["adapter_sync_names_converted"] = [n for n, _ in engine.get_per_tensor_param(base_sync_done=True)[0]]
+    finally:
+        del hf_model._checkpoint_conversion_mapping
     return out
 
 

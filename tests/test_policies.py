@@ -510,6 +510,100 @@ def test_a_shared_base_refuses_what_one_worker_group_cannot_do_per_adapter() -> 
     assert any(p.startswith("actor_rollout_ref.model.lora.merge=true merges one adapter") for p in problems)
 
 
+def test_each_adapter_of_a_shared_base_gets_the_rank_and_alpha_verls_fsdp_engine_reads(tmp_path: Path) -> None:
+    from verl_mas.policies.adapters import adapter_plan
+    from verl_mas.startup import check_run_config
+
+    # verl's config holds the Megatron engine's LoRA block (model.lora: rank 0, alpha 32) next to the keys verl's
+    # FSDP engine builds an adapter from (model.lora_rank, model.lora_alpha). The recipe group gives the caller
+    # rank 8 / alpha 16 (verl builds its adapter from them); the runner sets rank 2 / alpha 4, which must reach
+    # its adapter, not the Megatron block's alpha 32.
+    _, configs = check_run_config(_cpu_recipe(
+        tmp_path, "mas_policies=per_role_lora", "mas.policies.runner.model.lora_rank=2",
+        "mas.policies.runner.model.lora_alpha=4", "+mas.policies.runner.actor.optim.clip_grad=0.5"))
+    plan = adapter_plan(configs)
+    assert configs["caller"].model.lora.alpha == 32  # the block is there, and is not what the adapters use
+    assert {p: (spec["rank"], spec["alpha"]) for p, spec in plan.items()} == {"caller": (8, 16), "runner": (2, 4)}
+    # The runner's optimiser keys travel with its adapter (its clip_grad reaches verl's optimizer_step when the
+    # runner is active: tests/test_shared_lora_cpu.py); both policies set lr 1e-2, so only clip_grad differs.
+    assert plan["runner"]["optim"] == {"clip_grad": 0.5} and plan["caller"]["optim"] == {}
+
+
+@pytest.mark.parametrize(("override", "why", "instead"), [
+    ("+mas.policies.runner.model.lora.rank=2", "verl's FSDP engine builds each adapter from model.lora_rank",
+     "mas.policies.runner.model.lora_rank=2"),
+    ("+mas.policies.runner.model.lora.alpha=4", "verl's FSDP engine builds each adapter from model.lora_alpha",
+     "mas.policies.runner.model.lora_alpha=4"),
+    ("+mas.policies.runner.actor.optim.total_training_steps=10", "is set by verl's trainer at run time",
+     "trainer.total_training_steps=10"),
+    ("+mas.policies.runner.actor.optim._target_=verl.workers.config.optimizer.FSDPOptimizerConfig",
+     "names the optimiser config class of the one worker group", "+mas.policies.runner.actor.optim.optimizer=Adam"),
+    ("+mas.policies.runner.actor.optim._target_=verl.workers.config.optimizer.FSDPOptimizerConfig",
+     "set mas.lora_base=per_policy", "mas.lora_base=per_policy"),
+])
+def test_a_shared_base_refuses_an_adapter_key_that_nothing_applies_per_adapter(tmp_path: Path, override: str,
+                                                                               why: str, instead: str) -> None:
+    from verl_mas.startup import check_run_config
+
+    key = override.split("=")[0].lstrip("+")
+    with pytest.raises(MasConfigError) as err:
+        check_run_config(_cpu_recipe(tmp_path, "mas_policies=per_role_lora", override))
+    message = str(err.value)
+    assert message.startswith("verl_mas cannot start: 1 problem(s)"), message
+    assert f"{key} is " in message and "nothing applies it per adapter" in message and why in message, message
+    # Control: what the message says to do instead starts.
+    check_run_config(_cpu_recipe(tmp_path, "mas_policies=per_role_lora", instead))
+
+
+def test_a_recipe_lora_rank_in_the_megatron_block_is_refused_on_a_shared_base(tmp_path: Path) -> None:
+    from verl_mas.startup import check_run_config
+
+    # model.lora.rank=8 with model.lora_rank=0 on every policy: verl's FSDP engine would build no adapter at all.
+    cfg = _cpu_recipe(tmp_path, "mas_policies=per_role_lora", "actor_rollout_ref.model.lora.rank=8",
+                      "mas.policies.caller.model.lora_rank=0", "mas.policies.runner.model.lora_rank=0")
+    with pytest.raises(MasConfigError, match=r"actor_rollout_ref.model.lora.rank=8 but model.lora_rank=0: .* Set "
+                                             r"model.lora_rank=8"):
+        check_run_config(cfg)
+
+
+def test_a_shared_bases_first_sync_names_the_base_as_verls_sync_does() -> None:
+    import types
+
+    import torch
+
+    from verl_mas.policies.lora_worker import base_tensors
+
+    # A peft state dict: q_proj with an adapter, a MoE layer of 2 experts packed as transformers 5 stores them
+    # (gate_up: (experts, 2 x intermediate 2, hidden 3), down: (experts, hidden 3, intermediate 2)), the LM head.
+    gate_up = torch.arange(2 * 4 * 3, dtype=torch.float32).reshape(2, 4, 3)
+    down = torch.arange(2 * 3 * 2, dtype=torch.float32).reshape(2, 3, 2)
+    q, head = torch.ones(3, 3), torch.zeros(5, 3)
+    state = {
+        "base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight": q,
+        "base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight": torch.ones(1, 3),
+        "base_model.model.model.layers.0.mlp.experts.gate_up_proj": gate_up,
+        "base_model.model.model.layers.0.mlp.experts.down_proj": down,
+        "base_model.model.lm_head.weight": head,
+    }
+    # The model declares a checkpoint key mapping (checkpoint "transformer.h" -> module "model.layers"); verl's
+    # convert_weight_keys reverses it, then unfuse_moe_params splits the experts (gate = first half of gate_up).
+    mapped = types.SimpleNamespace(_checkpoint_conversion_mapping={"^transformer.h": "model.layers"})
+    got = dict(base_tensors(state, mapped, "qwen3_moe"))
+    expected = {
+        "transformer.h.0.self_attn.q_proj.weight": q,
+        **{f"transformer.h.0.mlp.experts.{e}.gate_proj.weight": gate_up[e, :2] for e in (0, 1)},
+        **{f"transformer.h.0.mlp.experts.{e}.up_proj.weight": gate_up[e, 2:] for e in (0, 1)},
+        **{f"transformer.h.0.mlp.experts.{e}.down_proj.weight": down[e] for e in (0, 1)},
+        "lm_head.weight": head,
+    }
+    assert sorted(got) == sorted(expected)  # the adapter's tensor is not part of the base
+    assert all(torch.equal(got[name], tensor) for name, tensor in expected.items())
+    # Controls: without a mapping the module's names stay; GPT-OSS keeps its experts packed (verl's rule).
+    plain = dict(base_tensors(state, types.SimpleNamespace(), "gpt_oss"))
+    assert sorted(plain) == ["lm_head.weight", "model.layers.0.mlp.experts.down_proj",
+                             "model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.self_attn.q_proj.weight"]
+
+
 async def _route(client: PolicyRouterClient, policy: str) -> dict:
     return await client.generate("s#1.0", policy=policy, prompt_ids=[1], sampling_params={})
 

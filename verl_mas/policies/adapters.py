@@ -19,7 +19,9 @@ What a policy on a shared base may set differently from the others (:data:`SHARE
 the one worker group can apply per adapter or what the trainer reads per policy; anything else (a loss
 setting, micro-batch sizes, the model's dtype) is read once by the worker group for every adapter, so it must
 be the same for every policy; a policy that sets it differently is refused at start-up, with
-``mas.lora_base=per_policy`` (a stack per adapter, one base copy each) as the fix.
+``mas.lora_base=per_policy`` (a stack per adapter, one base copy each) as the fix. A key under an allowed
+prefix that nothing applies per adapter (:data:`REFUSED_PER_ADAPTER`: Megatron's ``model.lora.rank`` /
+``alpha``, ``actor.optim.total_training_steps`` and ``_target_``) is refused whatever its value.
 """
 
 from __future__ import annotations
@@ -29,9 +31,9 @@ from typing import Any
 
 from verl_mas.config import LORA_BASES
 
-__all__ = ["ADAPTER_SEP", "ADAPTERS_KEY", "FIRST_ADAPTER", "LORA_BASES", "SHARED_BASE_OVERRIDES", "adapter_plan",
-           "adapter_tensor_name", "lora_rank", "rollout_adapters", "shared_base_plan", "split_adapter_tensor_name",
-           "tensors_by_adapter"]
+__all__ = ["ADAPTER_SEP", "ADAPTERS_KEY", "FIRST_ADAPTER", "LORA_BASES", "REFUSED_PER_ADAPTER", "SHARED_BASE_OVERRIDES",
+           "adapter_plan", "adapter_tensor_name", "lora_rank", "rollout_adapters", "shared_base_plan",
+           "split_adapter_tensor_name", "tensors_by_adapter"]
 
 #: Key of ``actor_rollout_ref.rollout.custom`` holding the adapters of a shared base (see the module docstring).
 ADAPTERS_KEY = "mas_adapters"
@@ -39,14 +41,28 @@ ADAPTERS_KEY = "mas_adapters"
 ADAPTER_SEP = ":"
 #: peft's name of the adapter verl creates (the first policy's).
 FIRST_ADAPTER = "default"
-#: Dotted keys of a policy's overrides that a shared base honours per adapter (a prefix covers its sub-keys).
+#: Dotted keys of a policy's overrides that a shared base honours per adapter (a prefix covers its sub-keys;
+#: docs/policies.md, "What a policy may set", says where verl reads each one and how it gets there per adapter).
 SHARED_BASE_OVERRIDES = (
     "model.path",            # must name the same base (checked)
-    "model.lora_rank", "model.lora_alpha", "model.lora.rank", "model.lora.alpha",
-    "actor.optim",           # each adapter has its own optimiser and schedule
+    "model.lora_rank", "model.lora_alpha",  # verl's FSDP engine builds the first adapter, verl_mas the others
+    "actor.optim",           # each adapter has its own optimiser, schedule and optimiser config (except below)
     "actor.ppo_mini_batch_size", "actor.ppo_epochs", "actor.shuffle", "actor.data_loader_seed",  # sent per update
     "rollout.temperature", "rollout.top_p", "rollout.top_k", "rollout.val_kwargs",  # sampled per request
 )
+#: Keys under an allowed prefix that nothing applies per adapter: key -> (why, fix).
+REFUSED_PER_ADAPTER = {
+    "model.lora.rank": ("belongs to the Megatron engine's LoRA block; verl's FSDP engine builds each adapter from "
+                        "model.lora_rank", "Set model.lora_rank instead"),
+    "model.lora.alpha": ("belongs to the Megatron engine's LoRA block; verl's FSDP engine builds each adapter from "
+                         "model.lora_alpha", "Set model.lora_alpha instead"),
+    "actor.optim.total_training_steps": ("is set by verl's trainer at run time, once for the one worker group of "
+                                         "every adapter", "Drop it; trainer.total_training_steps sets it for every "
+                                                          "policy"),
+    "actor.optim._target_": ("names the optimiser config class of the one worker group",
+                             "Drop it and set actor.optim.optimizer / optimizer_impl per policy, or set "
+                             "mas.lora_base=per_policy (a stack per adapter, each with its own copy of the base)"),
+}
 #: Rollout backends that serve several adapters of one resident base.
 SHARED_BASE_ROLLOUTS = ("hf", "vllm")
 
@@ -85,12 +101,6 @@ def lora_rank(model: Any) -> int:
     return rank if rank > 0 else int(model.get("lora_rank", 0) or 0)
 
 
-def _lora_alpha(model: Any) -> int:
-    lora = model.get("lora", None) or {}
-    alpha = lora.get("alpha", None)
-    return int(alpha if alpha else model.get("lora_alpha", 16))
-
-
 def _dotted(overrides: Mapping[str, Any], path: str = "") -> list[str]:
     out = []
     for key, value in overrides.items():
@@ -110,7 +120,8 @@ def _select(config: Any, dotted: str) -> Any:
 
 
 def _allowed(dotted: str) -> bool:
-    return any(dotted == k or dotted.startswith(k + ".") for k in SHARED_BASE_OVERRIDES)
+    return dotted not in REFUSED_PER_ADAPTER and any(dotted == k or dotted.startswith(k + ".")
+                                                     for k in SHARED_BASE_OVERRIDES)
 
 
 def shared_base_plan(mas: Any, configs: Mapping[str, Any]) -> tuple[dict[str, dict[str, Any]] | None, list[str]]:
@@ -135,7 +146,13 @@ def shared_base_plan(mas: Any, configs: Mapping[str, Any]) -> tuple[dict[str, di
         overrides = {k: v for k, v in (mas.policies.get(name) or {}).items() if k != "resources"}
         for dotted in _dotted(overrides):
             value, first_value = _select(cfg, dotted), _select(first, dotted)
-            if not _allowed(dotted) and value != first_value:
+            if dotted in REFUSED_PER_ADAPTER:
+                why, remedy = REFUSED_PER_ADAPTER[dotted]
+                problems.append(
+                    f"mas.policies.{name}.{dotted} is {value!r}, but on mas.lora_base=shared nothing applies it per "
+                    f"adapter: actor_rollout_ref.{dotted} {why}. {remedy}."
+                )
+            elif not _allowed(dotted) and value != first_value:
                 problems.append(
                     f"mas.policies.{name}.{dotted} is {value!r} but {names[0]}'s is {first_value!r}: the policies of "
                     f"mas.lora_base=shared are adapters in one worker group, which reads actor_rollout_ref.{dotted} "
@@ -156,6 +173,14 @@ def shared_base_plan(mas: Any, configs: Mapping[str, Any]) -> tuple[dict[str, di
         if name == FIRST_ADAPTER and name != names[0]:
             problems.append(f"mas.policies.{name}: peft names the first policy's adapter {FIRST_ADAPTER!r}; list the "
                             f"policy named {FIRST_ADAPTER!r} first or rename it.")
+    megatron_rank = int((first.model.get("lora", None) or {}).get("rank", 0) or 0)
+    if megatron_rank > 0 and megatron_rank != int(first.model.get("lora_rank", 0) or 0):
+        problems.append(
+            f"actor_rollout_ref.model.lora.rank={megatron_rank} but model.lora_rank="
+            f"{first.model.get('lora_rank', 0)}: on mas.lora_base=shared verl's FSDP engine builds the adapters from "
+            f"model.lora_rank and model.lora_alpha (model.lora.rank belongs to the Megatron engine), so it would "
+            f"build no adapter. Set model.lora_rank={megatron_rank}."
+        )
     if bool((first.model.get("lora", None) or {}).get("merge", False)):
         problems.append(
             "actor_rollout_ref.model.lora.merge=true merges one adapter into the served weights, but a shared base "
@@ -182,12 +207,13 @@ def shared_base_plan(mas: Any, configs: Mapping[str, Any]) -> tuple[dict[str, di
         )
     # Each adapter's optimiser: the first policy's (verl's actor.optim) with what this policy resolves to
     # differently (the recipe's value where only the first policy overrides a key). The step count of the
-    # schedule is set by verl at run time on the first policy's config and is shared.
+    # schedule is set by verl at run time on the first policy's config and is shared. Rank and alpha are the
+    # keys verl's FSDP engine builds the first adapter from (model.lora_rank, model.lora_alpha).
     first_optim = _select(first, "actor.optim") or {}
     plan = {
         name: {
-            "rank": lora_rank(configs[name].model),
-            "alpha": _lora_alpha(configs[name].model),
+            "rank": int(configs[name].model.get("lora_rank", 0) or 0),
+            "alpha": int(configs[name].model.get("lora_alpha", 16)),
             "optim": {k: v for k, v in (_select(configs[name], "actor.optim") or {}).items()
                       if k not in ("_target_", "total_training_steps") and first_optim.get(k) != v},
         }

@@ -9,11 +9,13 @@ for :class:`MultiAdapterTrainingWorker` (verl's ``actor_worker_cls`` hook), whos
   policy's rank and alpha;
 - builds one optimiser and one learning-rate schedule per adapter, over that adapter's parameters only
   (each policy's ``actor.optim`` overrides applied), so an update moves one adapter and nothing else;
-- :meth:`MultiAdapterEngine.mas_activate` makes a policy's adapter the one that forwards, and its optimiser
-  and schedule the ones verl's update steps; the trainer calls it (``mas_set_adapter``) before every
-  per-policy log-prob and update. verl's reference log-probs run with every adapter disabled: the base;
+- :meth:`MultiAdapterEngine.mas_activate` makes a policy's adapter the one that forwards, and its optimiser,
+  schedule and optimiser config (``clip_grad``, read by verl's ``optimizer_step``) the ones verl's update
+  uses; the trainer calls it (``mas_set_adapter``) before every per-policy log-prob and update. verl's
+  reference log-probs run with every adapter disabled: the base;
 - streams, for the rollout's weight sync, every adapter's tensors (``"<policy>:<peft key>"``) and nothing of
-  the base (the base is sent once, only when the rollout started without weights);
+  the base; the base is sent once, only when the rollout started without weights (``load_format: dummy``),
+  one full tensor at a time (:func:`base_tensors`). Both go through verl's key conversion;
 - saves, next to verl's checkpoint of the whole module, each adapter in the PEFT format
   (``adapters/<policy>/``: ``adapter_config.json`` + ``adapter_model.safetensors``, loadable with
   ``peft.PeftModel.from_pretrained`` onto the base) with its optimiser and schedule state, and loads them back.
@@ -29,10 +31,11 @@ import json
 import logging
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 from verl.single_controller.base.decorator import Dispatch, register
 from verl.workers.engine_workers import ActorRolloutRefWorker, TrainingWorker
 
@@ -40,7 +43,7 @@ from verl_mas.policies.adapters import ADAPTERS_KEY, FIRST_ADAPTER, adapter_tens
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ADAPTERS_DIR", "MultiAdapterEngine", "MultiAdapterTrainingWorker", "SharedBaseLoraWorker"]
+__all__ = ["ADAPTERS_DIR", "MultiAdapterEngine", "MultiAdapterTrainingWorker", "SharedBaseLoraWorker", "base_tensors"]
 
 #: Folder, inside an actor checkpoint, of the per-adapter PEFT exports and optimiser states.
 ADAPTERS_DIR = "adapters"
@@ -50,6 +53,40 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
     if hasattr(tensor, "full_tensor"):
         tensor = tensor.full_tensor()
     return tensor.detach()
+
+
+def _gathered(tensor: torch.Tensor) -> torch.Tensor:
+    # As verl's own sync: the shard goes to the device first (it may be offloaded to the CPU), then the
+    # ranks gather the full tensor there.
+    if isinstance(tensor, DTensor):
+        from verl.utils.device import get_device_id
+
+        return tensor.to(get_device_id(), non_blocking=True).full_tensor()
+    return tensor.detach()
+
+
+def base_tensors(state: Mapping[str, torch.Tensor], model: Any, model_type: str | None
+                 ) -> Iterator[tuple[str, torch.Tensor]]:
+    """The base model's tensors for a rollout started without weights, gathered one at a time on demand.
+
+    Each name goes through what verl's own weight sync applies: peft's wrapper names stripped and the adapters'
+    tensors left out (``normalize_peft_param_name``), the model's checkpoint key mapping reversed
+    (``convert_weight_keys``: the rollout loads checkpoint names), and fused MoE experts split into per-expert
+    tensors (``unfuse_moe_params``). A tensor is moved to the device and gathered only when the consumer asks
+    for the next one, so a rank holds one full base tensor at a time instead of the whole base (an 8B model
+    is ~32 GB in fp32).
+
+    Args:
+        state: The peft module's state dict; under FSDP2 references to each rank's shards (nothing gathered).
+        model: The peft model whose key mapping ``convert_weight_keys`` reads.
+        model_type: ``hf_config.model_type`` (``unfuse_moe_params`` keeps GPT-OSS experts packed).
+    """
+    from verl.utils.fsdp_utils import normalize_peft_param_name
+    from verl.utils.model import convert_weight_keys
+    from verl.workers.engine.fsdp.utils import unfuse_moe_params
+
+    named = convert_weight_keys(normalize_peft_param_name(dict(state)), model)  # renames only: still shards
+    return unfuse_moe_params(((name, _gathered(t)) for name, t in named.items()), model_type)
 
 
 class MultiAdapterEngine:
@@ -146,7 +183,8 @@ class MultiAdapterEngine:
 
     # ---- the active adapter ----
     def mas_activate(self, policy: str) -> None:
-        """Forward with ``policy``'s adapter; verl's optimiser step and schedule are that adapter's."""
+        """Forward with ``policy``'s adapter; verl's optimiser step, schedule and optimiser config are that
+        adapter's (``optimizer_step`` clips the gradients with ``optimizer_config.clip_grad``)."""
         if policy not in self.mas_adapters:
             raise KeyError(f"policy {policy!r} has no adapter on this shared base (adapters: {self.mas_policies})")
         model = self._peft_model()
@@ -154,6 +192,7 @@ class MultiAdapterEngine:
         self._restore_requires_grad(model)
         self.optimizer = self._mas_optimizers[policy]
         self.lr_scheduler = self._mas_schedulers[policy]
+        self.optimizer_config = self._mas_optim_configs[policy]
         self.mas_active = policy
 
     def to(self, device: str, model: bool = True, optimizer: bool = True, grad: bool = True) -> None:
@@ -173,12 +212,14 @@ class MultiAdapterEngine:
         """Every adapter's tensors as ``("<policy>:<peft key>", tensor)``; the base only when not yet synced.
 
         Returns verl's pair ``(tensors, peft_config)``; ``peft_config`` is ``{ADAPTERS_KEY: {policy: peft
-        config dict}}``, which the rollout uses to create the adapters on its copy of the base.
+        config dict}}``, which the rollout uses to create the adapters on its copy of the base. The base
+        (``base_sync_done=False``) is a generator gathering one tensor at a time (:func:`base_tensors`); the
+        adapters are small and gathered here. Adapter keys go through verl's ``convert_weight_keys`` as verl's
+        own LoRA sync sends them.
         """
         from peft.utils.save_and_load import get_peft_model_state_dict
-        from verl.utils.fsdp_utils import normalize_peft_param_name
-
         from verl.utils.fsdp_utils import load_fsdp_model_to_gpu, offload_fsdp_model_to_cpu
+        from verl.utils.model import convert_weight_keys
 
         model = self._peft_model()
         configs = {p: model.peft_config[self._peft_name(p)].to_dict() for p in self.mas_policies}
@@ -186,20 +227,22 @@ class MultiAdapterEngine:
             for key, value in list(config.items()):
                 if isinstance(value, set):
                     config[key] = sorted(value)
+        if not base_sync_done:  # the rollout started without weights: the base, once (adapters follow)
+            # FSDP2's state dict refers to the shards (offloaded or not); each is gathered when it is read.
+            state = self.module.state_dict()
+            return base_tensors(state, model, self.model_config.hf_config.model_type), {ADAPTERS_KEY: configs}
         staged = self._is_offload_param and not self._uses_fsdp2_cpu_offload_policy
         if staged:
             load_fsdp_model_to_gpu(self.module)
         try:
             state = self.module.state_dict()
-            if not base_sync_done:  # the rollout started without weights: the base, once (adapters follow)
-                tensors = [(name, _full(t)) for name, t in normalize_peft_param_name(state).items()]
-            else:  # adapters are small: gathered here, while the module is staged
-                tensors = [
-                    (adapter_tensor_name(policy, key), _full(t))
-                    for policy in self.mas_policies
-                    for key, t in get_peft_model_state_dict(
-                        model, state_dict=state, adapter_name=self._peft_name(policy)).items()
-                ]
+            tensors = [  # adapters are small: gathered here, while the module is staged
+                (adapter_tensor_name(policy, key), _full(t))
+                for policy in self.mas_policies
+                for key, t in convert_weight_keys(
+                    get_peft_model_state_dict(model, state_dict=state, adapter_name=self._peft_name(policy)),
+                    model).items()
+            ]
         finally:
             if staged:
                 offload_fsdp_model_to_cpu(self.module)
