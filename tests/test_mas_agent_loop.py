@@ -506,6 +506,9 @@ async def test_every_key_of_the_mas_block_has_an_effect(tiny_model_dir: Path) ->
             poll_interval = 2.0
             failure_keys: dict = {}
 
+            def _sync_metadata_from_transfer_queue(self):
+                return None
+
             def _materialize_batch(self, *args):
                 return None
 

@@ -47,35 +47,98 @@ def test_rates_count_every_episode_of_the_step() -> None:
 
 
 class _Buffer:
-    """The two members of verl's ReplayBuffer the mas trainer wraps (checked against verl below)."""
+    """The members of verl's ReplayBuffer the mas trainer wraps (checked against verl below)."""
 
     def __init__(self) -> None:
         self.failure_keys: dict[str, set] = defaultdict(set)
         self.poll_interval = 2.0
         self.materialized: list[list[str]] = []
+        self.synced = 0
+        self.failing: dict[str, set] = {}  # what TransferQueue reports as failed at the next sync
+
+    def _sync_metadata_from_transfer_queue(self) -> None:
+        self.synced += 1
+        self.failure_keys.clear()
+        for partition, keys in self.failing.items():
+            self.failure_keys[partition] |= keys
 
     def _materialize_batch(self, partition_id: str, selected_prompt_uids: list[str], partition_snapshot: dict):
         self.materialized.append(list(selected_prompt_uids))
         return "batch"
 
 
-def test_a_raising_episode_stops_the_step_and_every_sampled_task_is_recorded() -> None:
+def test_a_raising_episode_stops_the_step_at_once_and_every_sampled_task_is_recorded() -> None:
     from verl.trainer.ppo.v1.replay_buffer import ReplayBuffer
 
-    # Pinned to verl 0.9.1: the wrapped method and the failure bookkeeping exist with these names.
+    # Pinned to verl 0.9.1: the wrapped methods and the failure bookkeeping exist with these names, and the
+    # sampling loop refreshes the failure keys through the wrapped sync before it refills or selects anything.
     assert list(inspect.signature(ReplayBuffer._materialize_batch).parameters) == [
         "self", "partition_id", "selected_prompt_uids", "partition_snapshot"]
+    assert list(inspect.signature(ReplayBuffer._sync_metadata_from_transfer_queue).parameters) == ["self"]
     assert "self.failure_keys" in inspect.getsource(ReplayBuffer.__init__)
+    loop = inspect.getsource(ReplayBuffer.sample)
+    assert loop.index("self._sync_metadata_from_transfer_queue()") < loop.index("self.refill_fn(")
 
     buffer, sampled = _Buffer(), {}
     tune_replay_buffer(buffer, MasConfig(replay_poll_interval_s=0.3), sampled)
     assert buffer.poll_interval == 0.3
+    buffer._sync_metadata_from_transfer_queue()
     assert buffer._materialize_batch("train", ["u1", "u2"], {}) == "batch"
     assert sampled["train"] == SampledPrompts(uids=["u1", "u2"], failed=[])
-    buffer.failure_keys["val"].add("v2")
-    with pytest.raises(RuntimeError, match=r"1 of 2 val tasks raised in the mas agent loop \(task uids \['v2'\]\)"):
-        buffer._materialize_batch("val", ["v1", "v2"], {})
-    assert buffer.materialized == [["u1", "u2"]]  # the failed batch never reached training or validation
+    # A task of the validation partition fails: the next sync raises, naming it (no Ray job here, so no error
+    # was recorded: the message points at the worker log), before verl could refill or select anything.
+    buffer.failing = {"val": {"v2"}}
+    with pytest.raises(RuntimeError, match=r"1 val task\(s\) raised in the mas agent loop:\n  task v2: \(no error "
+                                           r"recorded: see the agent-loop worker log"):
+        buffer._sync_metadata_from_transfer_queue()
+    assert buffer.synced == 2 and buffer.materialized == [["u1", "u2"]]  # the failed batch never went on
+
+
+def test_the_message_names_each_failed_task_with_its_episodes_own_error() -> None:
+    from verl_mas.trainer import failed_tasks_message
+
+    message = failed_tasks_message({"train": ["a", "b", "c", "d"]}, {"a": "LookupError: unknown workflow id 'x'"})
+    assert message.startswith("4 train task(s) raised in the mas agent loop (first 3 below):\n"
+                              "  task a: LookupError: unknown workflow id 'x'\n  task b: (no error recorded")
+    assert "task d" not in message and "never a model mistake" in message
+
+
+@pytest.mark.slow
+def test_an_agent_loop_error_reaches_the_trainer_through_the_jobs_error_log() -> None:
+    import asyncio
+
+    import ray
+
+    from verl_mas.error_log import create_error_log, record_error, recorded_errors
+
+    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+    try:
+        log = create_error_log()  # held, as the trainer holds it: an actor without a handle is collected  # noqa: F841
+
+        @ray.remote(num_cpus=0)
+        class Worker:  # stands in for verl's agent-loop worker (an async Ray actor of the same job)
+            async def fail(self, uid: str) -> None:
+                try:
+                    raise LookupError(f"unknown workflow id 'mine-v0' (task {uid})")
+                except LookupError as error:
+                    await record_error(uid, error)
+
+        worker = Worker.remote()
+        ray.get([worker.fail.remote("u1"), worker.fail.remote("u3")])
+        errors = recorded_errors(["u1", "u2", "u3"])
+        assert sorted(errors) == ["u1", "u3"] and errors["u1"].startswith("LookupError: unknown workflow id 'mine-v0'")
+        buffer, sampled = _Buffer(), {}
+        tune_replay_buffer(buffer, MasConfig(), sampled)
+        buffer.failing = {"train": {"u1"}}
+        with pytest.raises(RuntimeError, match=r"task u1: LookupError: unknown workflow id 'mine-v0' \(task u1\)"):
+            buffer._sync_metadata_from_transfer_queue()
+        asyncio.run(record_error("u9", ValueError("outside the job")))  # the driver can report too
+        assert "u9" in recorded_errors(["u9"])
+    finally:
+        ray.shutdown()
+    # Outside a Ray job: nothing to report to, nothing recorded (no error of its own).
+    asyncio.run(record_error("u1", ValueError("x")))
+    assert recorded_errors(["u1"]) == {}
 
 
 def _row(role: str, reward: float, *, committed: bool, team: float = float("nan"), local: float = float("nan"),

@@ -24,7 +24,12 @@ and reported by each of its ``val_kwargs.n`` sessions as ``acc_greedy`` (:func:`
 Failures: a rollout server that is gone (a lost actor, a timeout) is an infrastructure failure (the
 candidate is dropped, and an episode left without candidates is aborted); a server that *raises* on a
 request does so deterministically (a bad request) and stops the run. A prompt the model cannot answer any
-more (longer than the context allows) is the workflow's own outcome: the episode ends as a failure.
+more (longer than the context allows) is the workflow's own outcome: the episode ends as a failure. An
+episode that raises is reported to the trainer (:mod:`verl_mas.error_log`), which stops the run with it.
+
+Why one module of ~470 lines: everything verl's agent-loop worker calls for a row is here (the row's
+workflow and task, each policy's sampling in training and validation, the episode, the greedy validation
+episode, the rows verl receives), so the contract with verl's worker reads in one place.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ from verl_mas.client import GenerateRequest, Sample, fan_out
 from verl_mas.config import MasConfig, MasConfigError, mas_trainer_selected
 from verl_mas.engine import run_episode
 from verl_mas.episode import GROUP_KEY_SEP, Candidate, Episode
+from verl_mas.error_log import record_error
 from verl_mas.errors import InfraError
 from verl_mas.routing import RoleRoutedClient, RoleRouter, candidate_request_id
 from verl_mas.rows import CandidateRow, prompt_hash
@@ -297,6 +303,15 @@ class MasAgentLoop(AgentLoopBase):
         return out
 
     async def run(self, sampling_params: dict[str, Any], **kwargs: Any) -> list[AgentLoopOutput]:
+        try:
+            return await self._run(sampling_params, **kwargs)
+        except Exception as error:
+            # A bug or a deterministic server error, never a model mistake: the trainer stops the step with it
+            # (verl_mas.error_log); verl's worker logs the traceback and marks the task failed.
+            await record_error(str(kwargs.get("uid")), error)
+            raise
+
+    async def _run(self, sampling_params: dict[str, Any], **kwargs: Any) -> list[AgentLoopOutput]:
         workflow_id, task = self._workflow_and_task(kwargs)
         uid = str(kwargs["uid"])
         session_id = int(kwargs.get("session_id", 0))

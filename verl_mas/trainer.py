@@ -53,6 +53,7 @@ from verl_mas.advantage.groups import (
     signal_rows,
 )
 from verl_mas.config import MasConfig
+from verl_mas.error_log import create_error_log, recorded_errors
 from verl_mas.minibatch import ROWS_BEFORE_DROP_TAG, actor_dp_size, required_batch_multiple, update_mini_batch_size
 from verl_mas.policies.stacks import MultiPolicyTrainer
 from verl_mas.rows import CandidateRow, rows_from_verl
@@ -79,6 +80,7 @@ class MasTrainer(MultiPolicyTrainer, PPOTrainerSync):
         self._sampled: dict[str, SampledPrompts] = {}
         self._trained: Any = None  # this step's rows that log-probs and the update run on (see _balance_batch)
         self._dropped_keys: list[str] = []
+        self._error_log = create_error_log()  # the agent loops report episodes that raise (verl_mas.error_log)
         super().__init__(config)
 
     def _build_replay_buffer(self) -> Any:
@@ -266,31 +268,58 @@ def tune_replay_buffer(buffer: Any, mas: MasConfig, sampled: dict[str, SampledPr
     verl polls TransferQueue for finished episodes every 2 s; episodes of small workflows finish in well
     under a second, so the fixed 2 s dominated CPU step times: ``mas.replay_poll_interval_s`` replaces it.
 
-    verl's sync trainer keeps a prompt whose agent loop raised as a "failure" group and trains on what is
-    left (its rows are simply missing). An exception in the ``mas`` agent loop is a bug or a deterministic
-    server error, never a model mistake, so the step stops here with the failed tasks named (the agent-loop
-    worker's log has each traceback). The prompts of every batch are recorded in ``sampled`` (by
-    partition), so that the trainer's rates count every episode, including those that left no sample.
+    verl's sync trainer treats a task whose agent loop raised as a "failure" group: it samples other tasks
+    in its place, or stops with a message about refilling failed groups when none is left. An exception in
+    the ``mas`` agent loop is a bug or a deterministic server error, never a model mistake, so the step stops
+    as soon as the buffer sees a failed task, naming each failed task with its episode's own error
+    (:mod:`verl_mas.error_log`). The prompts of every batch are recorded in ``sampled`` (by partition), so
+    that the trainer's rates count every episode, including those that left no sample.
     """
     if hasattr(buffer, "poll_interval"):
         buffer.poll_interval = mas.replay_poll_interval_s
+    sync = buffer._sync_metadata_from_transfer_queue  # verl 0.9.1: refreshes pending/finished/failure keys
     materialize = buffer._materialize_batch  # verl 0.9.1: (partition_id, selected_prompt_uids, snapshot)
+
+    def checked_sync(*args: Any, **kwargs: Any) -> Any:
+        out = sync(*args, **kwargs)
+        failed = {p: sorted(keys) for p, keys in buffer.failure_keys.items() if keys}
+        if failed:
+            raise EpisodeRaisedError(failed_tasks_message(failed, recorded_errors(u for keys in failed.values()
+                                                                                   for u in keys)))
+        return out
 
     def recording(partition_id: str, selected_prompt_uids: list[str], partition_snapshot: dict) -> Any:
         failed = sorted(set(selected_prompt_uids) & set(buffer.failure_keys[partition_id]))
         sampled[partition_id] = SampledPrompts(uids=list(selected_prompt_uids), failed=failed)
-        if failed:
-            raise RuntimeError(
-                f"{len(failed)} of {len(selected_prompt_uids)} {partition_id} tasks raised in the mas agent loop "
-                f"(task uids {failed[:5]}{' ...' if len(failed) > 5 else ''}); the agent-loop worker log above has "
-                "each traceback. A raising episode is a bug in a workflow or a deterministic rollout-server error "
-                "(e.g. a request the server rejects), never a model mistake and never silently dropped: fix the "
-                "cause. Infrastructure failures (a lost replica, a timeout) do not raise: they abort the episode "
-                "and count in mas/aborted."
-            )
+        if failed:  # (checked_sync raises first; kept for a buffer whose sync is not the one wrapped)
+            raise EpisodeRaisedError(failed_tasks_message({partition_id: failed}, recorded_errors(failed)))
         return materialize(partition_id, selected_prompt_uids, partition_snapshot)
 
+    buffer._sync_metadata_from_transfer_queue = checked_sync
     buffer._materialize_batch = recording
+
+
+class EpisodeRaisedError(RuntimeError):
+    """An episode raised in the ``mas`` agent loop: the run stops with its error."""
+
+
+def failed_tasks_message(failed: Mapping[str, Sequence[str]], errors: Mapping[str, str], limit: int = 3) -> str:
+    """What + why + fix for tasks whose agent loop raised, each with its episode's error when recorded."""
+    lines = []
+    for partition, uids in sorted(failed.items()):
+        shown = list(uids)[:limit]
+        lines.append(f"{len(uids)} {partition} task(s) raised in the mas agent loop"
+                     + (f" (first {limit} below)" if len(uids) > limit else "") + ":")
+        for uid in shown:
+            error = errors.get(uid)
+            text = error if error else "(no error recorded: see the agent-loop worker log above for its traceback)"
+            lines.append(f"  task {uid}: " + text.replace("\n", "\n    "))
+    return (
+        "\n".join(lines) + "\nAn episode that raises is a bug in a workflow or a deterministic rollout-server error "
+        "(e.g. a request the server rejects), never a model mistake, and is never silently left out: fix the cause "
+        "above. Infrastructure failures (a lost replica, a timeout) do not raise: they abort the episode and count "
+        "in mas/aborted."
+    )
 
 
 def rows_to_drop(groups: GroupAssignment, padding: np.ndarray, mas: MasConfig,
