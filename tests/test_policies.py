@@ -649,3 +649,69 @@ def test_dropping_rows_is_refused_where_dropped_rows_have_a_gradient(tmp_path: P
     check_run_config(_cpu_recipe(tmp_path, "actor_rollout_ref.actor.use_kl_loss=true", "mas.drop_zero_variance=false"))
     check_run_config(_cpu_recipe(tmp_path, "mas_policies=per_role_models", "mas.drop_zero_variance=false",
                                  "+mas.policies.runner.actor.use_kl_loss=true", "algorithm.use_kl_in_reward=true"))
+
+
+def test_every_layout_resolves_the_datas_workflows_at_start_up(tmp_path: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from verl_mas.data import make_rows
+    from verl_mas.startup import check_run_config
+
+    check_run_config(_cpu_recipe(tmp_path))  # control: relay-v0 resolves
+    # One shared policy (the layout that never resolved the data's workflows) and one model per role: the
+    # validation file names a workflow registered only in a module no worker imports.
+    for layout in ((), ("mas_policies=per_role_models",)):
+        cfg = _cpu_recipe(tmp_path, *layout)  # (writes relay-v0 data)
+        pq.write_table(pa.Table.from_pylist(make_rows("mine-v0", "test", ['{"x":1}'])), tmp_path / "test.parquet")
+        with pytest.raises(MasConfigError) as err:
+            check_run_config(cfg)
+        message = str(err.value)
+        assert "the data names workflow 'mine-v0', which this process cannot resolve (unknown workflow id" in message
+        assert "entry-point group" in message and "'package.module:Class'" in message
+
+
+def test_the_data_names_a_workflow_the_way_any_process_resolves_it(tmp_path: Path) -> None:
+    from verl_mas.registry import portable_spec
+    from verl_mas.workflows.relay import RelayWorkflow
+    from verl_mas.workflows.toy import WalkWorkflow as ToyWalkWorkflow
+
+    assert portable_spec(RelayWorkflow) == "relay-v0"  # built in: its id resolves everywhere
+
+    class Local(ToyWalkWorkflow):  # no other process can import it: it keeps its name, and start-up refuses it
+        workflow_id = "local-walk-v0"
+
+    assert portable_spec(Local) == "local-walk-v0"
+    # A class of an importable module that is not built in (a user's package): its module path.
+    from verl_mas.testing import conformance
+
+    fake = type("UserFlow", (ToyWalkWorkflow,), {"__module__": conformance.__name__, "workflow_id": "user-flow-v0"})
+    assert portable_spec(fake) == "verl_mas.testing.conformance:UserFlow"
+
+
+@pytest.mark.slow
+def test_main_ppo_stops_before_ray_when_the_data_names_an_unknown_workflow(tmp_path: Path, tiny_model_dir: Path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from verl_mas.data import make_rows
+
+    for split in ("train", "test"):
+        pq.write_table(pa.Table.from_pylist(make_rows("mine-v0", split, ['{"x":1}'])), tmp_path / f"{split}.parquet")
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "at_grpo_cpu"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("VERL_", "RAY_ADDRESS"))}
+    proc = subprocess.run(
+        [sys.executable, "-m", "verl.trainer.main_ppo", "--config-path", str(recipe), "--config-name", "at_grpo_cpu",
+         f"actor_rollout_ref.model.path={tiny_model_dir}", f"data.train_files={tmp_path / 'train.parquet'}",
+         f"data.val_files={tmp_path / 'test.parquet'}", f"hydra.run.dir={tmp_path / 'hydra'}"],
+        cwd=tmp_path, env={**env, "VERL_PLATFORM": "cpu"}, capture_output=True, text=True, timeout=300,
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert "the data names workflow 'mine-v0', which this process cannot resolve" in out, out[-3000:]
+    # Hydra's callback raised in main_ppo's own process: verl never initialised Ray.
+    assert "ray init kwargs" not in out and "Started a local Ray instance" not in out

@@ -95,6 +95,23 @@ def workflow_name(cls: type[Workflow]) -> str:
     return cls.__dict__.get("workflow_id") or cls.__qualname__
 
 
+def portable_spec(cls: type[Workflow]) -> str:
+    """How a process that imported nothing of the caller's code names ``cls``: its id when that resolves
+    anywhere (a built-in, or published in the entry-point group), else ``"package.module:Class"``.
+
+    Data files name their workflow with this, so that verl's agent-loop workers (Ray workers that never import
+    the launching script) find it. A class no other process can import (defined in ``__main__`` or inside a
+    function) keeps its id: the data serves in-process use, and a training run refuses it at start-up
+    (:func:`verl_mas.startup.workflow_problems`).
+    """
+    name = workflow_name(cls)
+    if name in _builtin_table() or name in _entry_points():
+        return name
+    if cls.__module__ == "__main__" or "<locals>" in cls.__qualname__:
+        return name
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
 def registered_workflows() -> list[str]:
     """Every workflow id this process can resolve: registered, built in, or published by entry point."""
     return sorted(set(_REGISTRY) | set(_builtin_table()) | set(_entry_points()))

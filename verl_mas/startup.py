@@ -1,14 +1,15 @@
 """Start-up of a verl_mas run: every problem of the config found in one pass, and what the ``mas`` trainer
 changes in verl's config before verl reads it.
 
-Called by :class:`verl_mas.trainer.MasTrainer` before verl builds anything (workers, pools, datasets),
-so a bad recipe fails in seconds with one error listing every problem and its fix.
+Called by :class:`verl_mas.trainer.MasTrainer` before verl builds anything (workers, pools, datasets), and,
+in recipes that list the :class:`Preflight` Hydra callback, in verl's ``main_ppo`` process before Ray starts:
+a bad recipe fails in seconds with one error listing every problem and its fix.
 """
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from omegaconf import open_dict
@@ -19,7 +20,7 @@ from verl_mas.policies import policy_configs_and_problems, shared_rollout_proble
 from verl_mas.policies.adapters import ADAPTERS_KEY, adapter_plan, shared_base_plan
 from verl_mas.routing import RoleRouter, roles_of_workflows, workflows_in_data
 
-__all__ = ["check_run_config", "drop_problems", "prepare_verl_config"]
+__all__ = ["Preflight", "check_run_config", "drop_problems", "prepare_verl_config", "workflow_problems"]
 
 
 def check_run_config(config: Any) -> tuple[MasConfig, dict[str, Any]]:
@@ -84,14 +85,41 @@ def check_run_config(config: Any) -> tuple[MasConfig, dict[str, Any]]:
                     primary.rollout.custom = {**dict(primary.rollout.get("custom") or {}), ADAPTERS_KEY: plan}
     if mas.drop_zero_variance:
         problems.extend(drop_problems(config, configs or {mas.policy_names[0]: config.actor_rollout_ref}))
+    workflows = workflows_in_data(config) or ([mas.workflow] if mas.workflow else [])
+    unresolved = workflow_problems(workflows)
+    problems.extend(unresolved.values())
     if mas.multi_policy and isinstance(mas.roles, Mapping):
-        workflows = workflows_in_data(config) or ([mas.workflow] if mas.workflow else [])
-        problems.extend(RoleRouter.from_mas(mas).problems(roles_of_workflows(workflows)))
+        problems.extend(RoleRouter.from_mas(mas).problems(roles_of_workflows(w for w in workflows if w not in unresolved)))
     if problems:
         raise MasConfigError(
             f"verl_mas cannot start: {len(problems)} problem(s) in the config:\n  - " + "\n  - ".join(problems)
         )
     return mas, configs
+
+
+def workflow_problems(workflow_ids: Iterable[str]) -> dict[str, str]:
+    """The workflow ids (of the data) this process cannot resolve, each with what, why and fix.
+
+    verl's agent-loop workers resolve every row's ``extra_info.workflow`` in a Ray worker of their own, which
+    imports nothing of the launching script: a workflow registered only in a module the workers never import is
+    unknown there. Checked where the run starts (the driver, and verl's task runner, a Ray worker of the job).
+    """
+    from verl_mas.registry import ENTRY_POINT_GROUP, get_workflow
+
+    out = {}
+    for workflow_id in sorted(set(workflow_ids)):
+        try:
+            get_workflow(workflow_id)
+        except (LookupError, ImportError, TypeError) as error:
+            out[workflow_id] = (
+                f"the data names workflow {workflow_id!r}, which this process cannot resolve ({error}). verl's "
+                "agent-loop workers resolve it in Ray workers that import nothing of the launching script. Make it "
+                f"importable there: publish it in the {ENTRY_POINT_GROUP!r} entry-point group of an installed package "
+                "(pip install -e . in the environment Ray runs; docs/writing-a-workflow.md), or write the data with "
+                "its 'package.module:Class' path (python -m verl_mas.data package.module:Class ...) from a package "
+                "on the workers' PYTHONPATH."
+            )
+    return out
 
 
 def drop_problems(config: Any, policy_configs: Mapping[str, Any]) -> list[str]:
@@ -146,6 +174,44 @@ def prepare_verl_config(config: Any, mas: MasConfig, policy_configs: dict[str, A
         config.algorithm[SINGLETON_KEY] = mas.singleton_advantage
         if mas.policies[primary] or adapter_plan(policy_configs):
             config.actor_rollout_ref = policy_configs[primary]
+
+
+def _hydra_callback_base() -> type:
+    from hydra.experimental.callback import Callback
+
+    return Callback
+
+
+class Preflight(_hydra_callback_base()):  # type: ignore[misc]
+    """Hydra callback: :func:`check_run_config` in the launching process, before verl starts Ray.
+
+    The ``mas`` trainer checks the run where verl builds it, in its task runner, after Ray and verl have
+    started (a minute or more on a small machine). Everything that needs only the config and the data files
+    (the ``mas:`` block, every policy's overrides, routing, the data's workflow ids) is known before that:
+    a recipe that lists this callback in its ``hydra.callbacks`` gets the same one error in seconds::
+
+        hydra:
+          callbacks:
+            verl_mas_preflight:
+              _target_: verl_mas.startup.Preflight
+
+    Hydra runs ``on_job_start`` in verl's ``main_ppo`` process just before verl's ``main``. Hydra turns an
+    exception of a callback into a warning and goes on, so the problems end the process with ``SystemExit``
+    (exit status 1, the message on stderr), which it lets through. Runs whose trainer mode is not ``mas`` are
+    left alone. The checks run again in the trainer (a config composed without this callback is still
+    checked).
+    """
+
+    def on_job_start(self, config: Any, **kwargs: Any) -> None:
+        import copy
+
+        v1 = (config.get("trainer", None) or {}).get("v1", None) or {}
+        if v1.get("trainer_mode", None) != "mas":
+            return
+        try:
+            check_run_config(copy.deepcopy(config))
+        except MasConfigError as error:
+            raise SystemExit(f"{error}\n(checked before Ray started, by verl_mas.startup.Preflight)") from None
 
 
 # verl may have been imported for the first time from inside this module, before it was whole, so that

@@ -8,7 +8,9 @@
 ``agent_name``     ``"mas"``: selects the verl_mas agent loop
 ``prompt``         ``[{"role": "user", "content": <short task summary>}]`` (verl requires a prompt;
                    the agent loop ignores it)
-``extra_info``     ``{"index": i, "split": "train"|"test", "workflow": <id>, "task": <canonical JSON>}``
+``extra_info``     ``{"index": i, "split": "train"|"test", "workflow": <id>, "task": <canonical JSON>}``;
+                   the workflow is named so that any process resolves it: its id when built in or published
+                   by entry point, else ``"package.module:Class"`` (:func:`verl_mas.registry.portable_spec`)
 ``reward_model``   ``{"style": "rule", "ground_truth": ""}`` (verl convention; unused)
 =================  ================================================================================
 
@@ -29,7 +31,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from verl_mas.registry import get_workflow, workflow_name
+from verl_mas.registry import get_workflow, portable_spec, workflow_name
 from verl_mas.workflow import Workflow
 
 logger = logging.getLogger(__name__)
@@ -189,8 +191,13 @@ def _summary(name: str, task_json: str) -> str:
     return text if len(text) <= _SUMMARY_CHARS else text[: _SUMMARY_CHARS - 3] + "..."
 
 
-def make_rows(workflow_id: str, split: str, tasks: list[str]) -> list[dict[str, Any]]:
-    """Rows of verl's RLHF dataset format for canonical JSON ``tasks`` (see the module docstring)."""
+def make_rows(workflow_id: str, split: str, tasks: list[str], spec: str | None = None) -> list[dict[str, Any]]:
+    """Rows of verl's RLHF dataset format for canonical JSON ``tasks`` (see the module docstring).
+
+    Args:
+        spec: What ``extra_info.workflow`` names (default ``workflow_id``): a spec every process resolves
+            (:func:`verl_mas.registry.portable_spec`).
+    """
     if split not in _SPLITS:
         raise ValueError(f"split is {split!r}; it must be one of {_SPLITS}")
     return [
@@ -198,7 +205,7 @@ def make_rows(workflow_id: str, split: str, tasks: list[str]) -> list[dict[str, 
             "data_source": workflow_id,
             "agent_name": AGENT_NAME,
             "prompt": [{"role": "user", "content": _summary(workflow_id, task)}],
-            "extra_info": {"index": i, "split": split, "workflow": workflow_id, "task": task},
+            "extra_info": {"index": i, "split": split, "workflow": spec or workflow_id, "task": task},
             "reward_model": {"style": "rule", "ground_truth": ""},
         }
         for i, task in enumerate(tasks)
@@ -255,12 +262,13 @@ def write_dataset(
     """
     cls = get_workflow(workflow_id)
     name = workflow_name(cls)
+    spec = portable_spec(cls)  # what verl's agent-loop workers can resolve: the id, or "package.module:Class"
     splits = draw_splits(cls, train, test, seed, patience=patience)
     out_dir = Path(out)
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = {split: out_dir / f"{split}.parquet" for split in _SPLITS}
     for split in _SPLITS:
-        _write_parquet(make_rows(name, split, splits[split]), paths[split])
+        _write_parquet(make_rows(name, split, splits[split], spec=spec), paths[split])
     logger.info("wrote %d train and %d test tasks of %s to %s", train, test, name, out_dir)
     return paths["train"], paths["test"]
 
