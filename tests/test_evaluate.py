@@ -160,3 +160,15 @@ def test_a_lora_adapter_directory_serves_a_role_merged_onto_its_base(tmp_path: P
     assert json.loads(out.read_text())["episodes"] == 2.0
     with pytest.raises(SystemExit, match="is a LoRA adapter whose base model .* pass the base it was trained on"):
         model_source(str(tmp_path / "adapter"), str(tmp_path / "nowhere"))
+
+
+def test_help_comes_before_verl_is_imported() -> None:
+    """`--help` prints the usage and nothing else: verl (imported for a run) warns a dozen times at import."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "verl_mas.evaluate", "--help"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.startswith("usage: python -m verl_mas.evaluate"), proc.stdout[:500]
+    assert proc.stderr == ""  # verl's "No supported accelerator", "... engine is not available" go to stderr
+    assert "WARNING" not in proc.stdout and "Warning" not in proc.stdout

@@ -73,3 +73,67 @@ def test_tailored_vocabulary_makes_each_word_one_token(tmp_path: Path) -> None:
 def test_tailored_vocabulary_rejects_multiword_entries() -> None:
     with pytest.raises(ValueError, match="whitespace"):
         build_tokenizer(["go left"])
+
+
+# --------------------------------------------------------------------------------------------------
+# A tokenizer built for a workflow is checked against the workflow's prompts and replies before anything
+# is written.
+
+
+def _register_critic(monkeypatch: pytest.MonkeyPatch) -> type:
+    from verl_mas import Workflow, register_workflow, registry, user
+
+    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))  # the test registers an id
+
+    @register_workflow("critic-test-v0")
+    class Critic(Workflow):
+        """The issue's example: reads "critic red nothing" and should answer "right" or "wrong"."""
+
+        roles = ("critic",)
+        example_task: dict = {}
+        vocabulary = ("critic", "red", "right")  # misses "nothing" (a prompt word) and "wrong" (a reply)
+        example_replies = {"critic": ("right", "wrong")}
+
+        async def run(self, task: dict) -> None:
+            for _ in self.turns():
+                group = await self.generate("critic", [user("critic red nothing")])
+                for c in group:
+                    c.reward = float(c.text.strip() == "wrong")
+                group.best()
+
+    return Critic
+
+
+def test_vocab_from_refuses_a_vocabulary_that_loses_words(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from verl_mas.tiny import main
+
+    _register_critic(monkeypatch)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--out", str(tmp_path / "m"), "--vocab-from", "critic-test-v0"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    # The alphabet is c r i t e d g h (space, newline): "nothing" -> "thig", "wrong" -> "rg".
+    assert "'nothing' becomes 'thig'" in err and "the prompts of role 'critic'" in err
+    assert "'wrong' becomes 'rg'" in err and "the example replies of role 'critic'" in err
+    assert not (tmp_path / "m").exists()  # refused before writing anything
+    # Control: the same workflow with the missing words added on the command line builds.
+    main(["--out", str(tmp_path / "ok"), "--vocab-from", "critic-test-v0", "--vocab", "nothing", "wrong"])
+    assert (tmp_path / "ok" / "config.json").is_file()
+
+
+def test_write_tiny_for_a_workflow_checks_its_episodes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from transformers import AutoTokenizer
+
+    from verl_mas.testing import WorkflowCheckError
+    from verl_mas.workflows.relay import RelayWorkflow
+
+    critic = _register_critic(monkeypatch)
+    with pytest.raises(WorkflowCheckError, match="'nothing' becomes 'thig'"):
+        write_tiny(tmp_path / "critic", workflow=critic)
+    assert not (tmp_path / "critic").exists()
+    # Control: relay-v0 passes with its own vocabulary, and gets the tokenizer `vocab=` builds from it.
+    out = write_tiny(tmp_path / "relay", workflow="relay-v0")
+    built = build_tokenizer(RelayWorkflow.vocabulary)
+    assert AutoTokenizer.from_pretrained(out).get_vocab() == built.get_vocab()

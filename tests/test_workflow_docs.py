@@ -42,7 +42,7 @@ def test_importing_the_package_and_its_test_doubles_stays_cheap():
 def test_the_docs_example_runs_and_passes_check_workflow(monkeypatch, capsys):
     monkeypatch.setattr(registry_module, "_REGISTRY", dict(registry_module._REGISTRY))  # the example registers an id
     blocks = re.findall(r"```python\n(.*?)```", DOC.read_text(), flags=re.S)
-    assert len(blocks) == 2, "the doc has the workflow block and the test block"
+    assert len(blocks) == 3, "the doc has the workflow block, the test block and the tokenizer check block"
     namespace: dict = {"__name__": "docs_writing_a_workflow"}
     for i, block in enumerate(blocks):
         exec(compile(block, f"{DOC.name}[block {i}]", "exec"), namespace)  # includes check_workflow(...)

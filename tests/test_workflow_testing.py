@@ -192,6 +192,134 @@ def test_check_workflow_rejects_invalid_classes():
         check_workflow(NoRoles, {})
 
 
+def test_check_workflow_reports_a_problem_once_naming_the_runs_it_occurred_in():
+    # _ForgetsLastTurn fails identically on seeds 0, 1, 2 and the rerun of seed 0 (K=4: "4 unrewarded
+    # candidates"), and differently with K=1 ("1 unrewarded candidates"): 2 distinct problems, not 5.
+    with pytest.raises(WorkflowCheckError) as info:
+        check_workflow(_ForgetsLastTurn, {})
+    message = str(info.value)
+    assert "(2 problems)" in message
+    assert message.count("ended with 4 unrewarded candidates") == 1
+    assert "4 of 5 runs (seed 0, K=4; seed 1, K=4; seed 2, K=4; seed 0, K=4 again): WorkflowError" in message
+    assert message.count("ended with 1 unrewarded candidates") == 1
+    assert "\n - seed 0, K=1: WorkflowError" in message  # one run: labelled as before
+    # One problem is "1 problem".
+    with pytest.raises(WorkflowCheckError, match=r"failed check_workflow \(1 problem\):") as info:
+        check_workflow(_GhostRole, {})
+    assert "problems" not in str(info.value)
+
+
+# --------------------------------------------------------------------------------------------------
+# The tokenizer round trip: words that a (tailored) tokenizer cannot encode are reported by name.
+
+
+class _Critic(Workflow):
+    """The issue's example: reads "critic red nothing" and should answer "right" or "wrong"."""
+
+    roles = ("critic",)
+    example_task = {}
+    vocabulary = ("critic", "red", "right")  # misses "nothing" (a prompt word) and "wrong" (a reply)
+    example_replies = {"critic": ("right", "wrong")}
+
+    async def run(self, task):
+        for _ in self.turns():
+            group = await self.generate("critic", [user("critic red nothing")])
+            for c in group:
+                c.reward = float(c.text.strip() == "wrong")
+            group.best()
+
+
+class _CriticWithEveryWord(_Critic):
+    vocabulary = (*_Critic.vocabulary, "nothing", "wrong")
+
+
+@pytest.fixture(scope="module")
+def critic_tokenizer():
+    from verl_mas.tiny import build_tokenizer
+
+    return build_tokenizer(_Critic.vocabulary)
+
+
+def test_check_workflow_names_the_words_a_tailored_tokenizer_loses(critic_tokenizer):
+    # The tokenizer's alphabet is the characters of its words plus space and newline: c r i t e d g h.
+    # Every other character is dropped: "nothing" -> t h i g -> "thig"; "wrong" -> r g -> "rg".
+    assert critic_tokenizer.decode(critic_tokenizer.encode("critic red nothing")) == "critic red thig"
+    with pytest.raises(WorkflowCheckError) as info:
+        check_workflow(_Critic, tokenizer=critic_tokenizer)
+    message = str(info.value)
+    assert "(2 problems)" in message
+    assert "'nothing' becomes 'thig'" in message
+    assert "the prompts of role 'critic' (e.g. 'critic red nothing')" in message
+    assert "'wrong' becomes 'rg'" in message and "the example replies of role 'critic'" in message
+    assert "add 'nothing' to _Critic.vocabulary" in message and "add 'wrong' to _Critic.vocabulary" in message
+    assert "'critic' becomes" not in message and "'red' becomes" not in message  # words that survive
+    # Controls: the same workflow passes with a tokenizer that has every word, and with the default
+    # byte-level tokenizer (which encodes any text): the problems above are the tokenizer's.
+    from verl_mas.tiny import build_tokenizer
+
+    check_workflow(_CriticWithEveryWord, tokenizer=build_tokenizer(_CriticWithEveryWord.vocabulary))
+    check_workflow(_Critic)
+
+
+def test_check_workflow_with_relays_own_tokenizer_passes_and_without_a_word_names_it():
+    from verl_mas.tiny import build_tokenizer
+    from verl_mas.workflows.relay import RelayWorkflow
+
+    check_workflow(RelayWorkflow, tokenizer=build_tokenizer(RelayWorkflow.vocabulary))  # control
+    short = build_tokenizer([w for w in RelayWorkflow.vocabulary if w != "nothing"])  # "h" leaves the alphabet
+    with pytest.raises(WorkflowCheckError) as info:
+        check_workflow(RelayWorkflow, tokenizer=short)
+    message = str(info.value)
+    # The runner hears "runner nothing" when the caller's word was unparsable; "nothing" loses its "h".
+    assert "'nothing' becomes 'noting'" in message and "the prompts of role 'runner'" in message
+    assert "RelayWorkflow.vocabulary" in message and "rebuild the tokenizer" in message
+    assert "relay-v0" in message  # the --vocab-from id
+
+
+class _Quoter(Workflow):
+    """The listener hears what the speaker committed, quoted as text, after its own words."""
+
+    roles = ("speaker", "listener")
+    example_task = {}
+    vocabulary = ("café", "speaker", "listener", "heard")  # "é": two bytes, so lone bytes decode to U+FFFD
+
+    async def run(self, task):
+        for _ in self.turns():
+            said = await self.generate("speaker", [user("speaker café")])
+            for c in said:
+                c.reward = float(c.text.strip() == "café")
+            heard = await self.generate("listener", [user(f"listener heard {said.best().text.strip()}")])
+            for c in heard:
+                c.reward = 0.0
+            heard.best()
+
+
+def test_check_workflow_does_not_blame_the_workflow_for_text_a_reply_brought_into_a_prompt():
+    from verl_mas.testing.roundtrip import roundtrip
+    from verl_mas.tiny import build_tokenizer
+
+    tok = build_tokenizer(_Quoter.vocabulary)
+    # A random reply can end inside the two bytes of "é" and decode to U+FFFD, which this tokenizer cannot
+    # encode: such a reply does not survive, and neither does a prompt quoting it.
+    assert roundtrip(tok, "caf\ufffd") == "caf"
+    episode = check_workflow(_Quoter, tokenizer=tok)
+    quoted = [g.messages[-1]["content"] for g in episode.groups if g.role == "listener"]
+    assert any("\ufffd" in text for text in quoted), quoted  # the case this test is about did occur
+    # Negative control: the workflow's own text is still held against it.
+    # Without "listener" the alphabet is c a f é s p e k r h d: l-i-s-t-e-n-e-r keeps s, e, e, r.
+    with pytest.raises(WorkflowCheckError, match="'listener' becomes 'seer'"):
+        check_workflow(_Quoter, tokenizer=build_tokenizer(["café", "speaker", "heard"]))
+
+
+def test_lost_words_names_words_and_falls_back_to_the_text(critic_tokenizer):
+    from verl_mas.testing.roundtrip import lost_words
+
+    assert lost_words(critic_tokenizer, "critic red") == []
+    assert lost_words(critic_tokenizer, "red nothing wrong nothing") == [("nothing", "thig"), ("wrong", "rg")]
+    # Every word survives but the tab between them does not: the whole text is named.
+    assert lost_words(critic_tokenizer, "red\tred") == [("red\tred", "redred")]
+
+
 # --------------------------------------------------------------------------------------------------
 # The CLI.
 

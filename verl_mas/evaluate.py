@@ -35,7 +35,9 @@ from typing import Any
 from verl_mas.client import GenerateRequest, LLMClient, Sample
 from verl_mas.engine import run_episode
 from verl_mas.settings import EpisodeConfig
-from verl_mas.routing import RoleRoutedClient, RoleRouter, roles_of_workflows
+
+# verl_mas.routing imports verl, which warns a dozen times at import: main() imports it after parsing the
+# arguments, so that `--help` and argument errors print only what they are about.
 
 logger = logging.getLogger(__name__)
 
@@ -204,6 +206,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                         help="also append every episode to FILE (JSON lines) for python -m verl_mas.view")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    from verl_mas.routing import RoleRoutedClient, RoleRouter, roles_of_workflows
 
     role_models = parse_role_models(args.role)
     if args.model is None and not role_models:

@@ -13,6 +13,11 @@ Usage::
 
     python -m verl_mas.tiny --out /path/to/tiny-model
     python -m verl_mas.tiny --out DIR --vocab "up down left right done"
+    python -m verl_mas.tiny --out DIR --vocab-from relay-v0   # a workflow's `vocabulary` (id or pkg.mod:Class)
+
+A tailored tokenizer drops every character its words do not use, silently: built for a workflow, it is first
+checked against the workflow's episodes (:mod:`verl_mas.testing.roundtrip`) and refused, naming the words,
+when a prompt or an expected reply does not survive it.
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # heavy imports stay lazy: this module is imported by tests and CLIs alike
     from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
+    from verl_mas.workflow import Workflow
+
 logger = logging.getLogger(__name__)
 
 __all__ = [
@@ -36,6 +43,7 @@ __all__ = [
     "SPECIAL_TOKENS",
     "build_model",
     "build_tokenizer",
+    "build_workflow_tokenizer",
     "write_tiny",
 ]
 
@@ -173,6 +181,54 @@ def build_tokenizer(
     return tokenizer
 
 
+def _workflow_vocab(workflow: str | type[Workflow], vocab: Sequence[str] | None) -> list[str]:
+    """``vocab`` followed by the words the workflow declares in its ``vocabulary`` class attribute."""
+    from verl_mas.registry import get_workflow, workflow_name
+
+    cls = get_workflow(workflow)
+    declared = getattr(cls, "vocabulary", None)
+    if not declared or isinstance(declared, str):
+        what = "no `vocabulary`" if not declared else f"vocabulary = {declared!r:.60} (a string, not a tuple of words)"
+        raise ValueError(
+            f"workflow {workflow_name(cls)!r} declares {what}, so there is no tailored tokenizer to build for it. "
+            "Declare `vocabulary = (...)` on the class, a tuple of every word its prompts and replies use; or pass "
+            "the words with --vocab, or neither for the general byte-level tokenizer."
+        )
+    return [*(vocab or []), *declared]
+
+
+def build_workflow_tokenizer(
+    workflow: str | type[Workflow], vocab: Sequence[str] | None = None, chat_template: str | None = None
+) -> PreTrainedTokenizerFast:
+    """The tailored tokenizer of a workflow's ``vocabulary`` (plus ``vocab``), checked against its episodes.
+
+    A tailored tokenizer drops the characters its words do not use without a sound (``"nothing"`` missing
+    from relay-v0's vocabulary turns ``"runner nothing"`` into ``"runner noting"``), so the workflow is played
+    with it against a random LLM on its ``example_task`` and a few ``generate_task`` tasks, and every word of
+    its prompts and of its ``example_replies`` must survive encode/decode
+    (:func:`verl_mas.testing.roundtrip.tokenizer_problems`).
+
+    Raises:
+        ValueError: When the workflow declares no ``vocabulary``.
+        WorkflowCheckError: Naming every word the tokenizer loses, where it occurs and the fix.
+    """
+    from verl_mas.registry import get_workflow, workflow_name
+    from verl_mas.testing.conformance import WorkflowCheckError
+    from verl_mas.testing.roundtrip import tokenizer_problems
+
+    cls = get_workflow(workflow)
+    tokenizer = build_tokenizer(_workflow_vocab(cls, vocab), chat_template=chat_template)
+    problems = tokenizer_problems(cls, tokenizer)
+    if problems:
+        count = f"{len(problems)} problem{'' if len(problems) == 1 else 's'}"
+        extra = " and the extra words" if vocab else ""
+        raise WorkflowCheckError(
+            f"the tokenizer built from {workflow_name(cls)}'s vocabulary{extra} does not carry the text its episodes "
+            f"use ({count}):\n - " + "\n - ".join(problems)
+        )
+    return tokenizer
+
+
 def build_model(
     tokenizer: PreTrainedTokenizerFast,
     *,
@@ -220,18 +276,25 @@ def write_tiny(
     out: str | os.PathLike[str],
     *,
     vocab: Sequence[str] | None = None,
+    workflow: str | type[Workflow] | None = None,
     seed: int = 0,
     chat_template: str | None = None,
     **model_kwargs: int,
 ) -> Path:
     """Write a tiny model and its tokenizer to ``out`` (a directory ``from_pretrained`` can load).
 
+    ``workflow``: build the tokenizer from the workflow's ``vocabulary`` (after ``vocab``), checked against
+    its episodes first (:func:`build_workflow_tokenizer`; nothing is written when the check fails).
     ``chat_template``: as :func:`build_tokenizer` (default: ChatML, or the compact layout with ``vocab``).
     Returns the output directory. Identical arguments give byte-identical files.
     """
+    if workflow is None:
+        tokenizer = build_tokenizer(vocab, chat_template=chat_template)
+    else:
+        tokenizer = build_workflow_tokenizer(workflow, vocab, chat_template=chat_template)
+        vocab = _workflow_vocab(workflow, vocab)
     out_dir = Path(out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer(vocab, chat_template=chat_template)
     model = build_model(tokenizer, seed=seed, **model_kwargs)
     model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
@@ -263,8 +326,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         "default: a byte-level BPE tokenizer that encodes any text",
     )
     parser.add_argument(
-        "--vocab-from", default=None, metavar="WORKFLOW_ID",
-        help="use the tailored vocabulary a workflow declares (its `vocabulary` class attribute)",
+        "--vocab-from", default=None, metavar="WORKFLOW",
+        help="use the tailored vocabulary a workflow (an id or package.module:Class) declares in its `vocabulary` "
+        "class attribute, after any --vocab words; refused, naming the words, when the workflow's prompts or "
+        "`example_replies` use text the tokenizer cannot carry",
     )
     parser.add_argument("--seed", type=int, default=0, help="model initialisation seed")
     parser.add_argument("--hidden-size", type=int, default=64)
@@ -275,15 +340,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.vocab_from is not None:
         from verl_mas.registry import get_workflow
 
-        cls = get_workflow(args.vocab_from)
-        declared = getattr(cls, "vocabulary", None)
-        if not declared:
-            parser.error(
-                f"workflow {args.vocab_from!r} declares no `vocabulary`; pass --vocab words, or omit both for the "
-                "general byte-level tokenizer"
-            )
-        vocab = [*(vocab or []), *declared]
-    write_tiny(args.out, vocab=vocab, seed=args.seed, hidden_size=args.hidden_size, num_hidden_layers=args.layers)
+        try:
+            _workflow_vocab(get_workflow(args.vocab_from), None)
+        except (LookupError, TypeError, ValueError) as e:  # unknown id (listing the ids), not a workflow, no vocabulary
+            parser.error(str(e))
+    from verl_mas.testing.conformance import WorkflowCheckError
+
+    try:
+        write_tiny(args.out, vocab=vocab, workflow=args.vocab_from, seed=args.seed, hidden_size=args.hidden_size,
+                   num_hidden_layers=args.layers)
+    except WorkflowCheckError as e:
+        parser.exit(2, f"{parser.prog}: error: {e}\n")
 
 
 if __name__ == "__main__":

@@ -2,20 +2,21 @@
 
 It plays a workflow against a random-text LLM and checks the workflow contract: declared roles used
 consistently, every candidate rewarded with a finite float, one prompt per group, termination within
-``max_turns``, reproducibility from the seed, and chats continued with sampled token ids. Import it from
-:mod:`verl_mas.testing`.
+``max_turns``, reproducibility from the seed, chats continued with sampled token ids, and prompt and reply
+words that survive the tokenizer (:mod:`verl_mas.testing.roundtrip`). Import it from :mod:`verl_mas.testing`.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from verl_mas.episode import Episode
 from verl_mas.errors import LLMClientError, WorkflowError
 from verl_mas.registry import get_workflow, workflow_name
 from verl_mas.testing.llms import RandomLLM, default_tokenizer
+from verl_mas.testing.roundtrip import lost_text_problems
 from verl_mas.testing.runner import arun_workflow, run_sync
 from verl_mas.workflow import Workflow, validate_workflow_class
 
@@ -95,6 +96,19 @@ def _token_drift(ep: Episode, tokenizer: Any) -> list[str]:
     return problems
 
 
+def _once_each(found: dict[str, list[str]], runs: int) -> list[str]:
+    """``{problem: labels of the runs it occurred in}`` as one line per problem, naming its runs."""
+    return [
+        f"{labels[0]}: {problem}" if len(labels) == 1
+        else f"{len(labels)} of {runs} runs ({'; '.join(labels)}): {problem}"
+        for problem, labels in found.items()
+    ]
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
 async def acheck_workflow(
     workflow: str | type[Workflow],
     task: Any = None,
@@ -106,6 +120,7 @@ async def acheck_workflow(
     require_all_roles: bool = True,
     check_token_drift: bool = True,
     timeout_s: float = 60.0,
+    replies: Mapping[str, Sequence[str] | str] | None = None,
 ) -> Episode:
     """Async :func:`check_workflow`."""
     name = getattr(workflow, "__qualname__", workflow)
@@ -124,8 +139,10 @@ async def acheck_workflow(
     tokenizer = default_tokenizer() if tokenizer is None else tokenizer
     runs = [(s, branching) for s in seeds] + [(seeds[0], branching), (seeds[0], 1)]  # rerun: determinism; K=1
     results: list[Episode | None] = []
-    for seed, k in runs:
-        label = f"seed {seed}, K={k}"
+    # A broken workflow usually breaks the same way on every run: each problem is listed once, with its runs.
+    found: dict[str, list[str]] = {}
+    for i, (seed, k) in enumerate(runs):
+        label = f"seed {seed}, K={k}" + (" again" if i == len(seeds) else "")
         try:
             ep = await asyncio.wait_for(
                 arun_workflow(
@@ -140,22 +157,26 @@ async def acheck_workflow(
                 timeout_s,
             )
         except (WorkflowError, LLMClientError) as e:
-            problems.append(f"{label}: {type(e).__name__}: {e}")
+            found.setdefault(f"{type(e).__name__}: {e}", []).append(label)
             results.append(None)
             continue
         except asyncio.TimeoutError:
-            problems.append(
-                f"{label}: the episode did not finish within {timeout_s} s (does run() wait on something "
+            timed_out = (
+                f"the episode did not finish within {timeout_s} s (does run() wait on something "
                 "that never happens, or loop without generating?)"
             )
+            found.setdefault(timed_out, []).append(label)
             results.append(None)
             continue
         results.append(ep)
-        problems += [f"{label}: {p}" for p in ep.validate()]
+        run_problems = list(ep.validate())
         if ep.aborted:
-            problems.append(f"{label}: aborted by an infrastructure failure with a fault-free LLM: {ep.error}")
+            run_problems.append(f"aborted by an infrastructure failure with a fault-free LLM: {ep.error}")
         if check_token_drift:
-            problems += [f"{label}: {p}" for p in _token_drift(ep, tokenizer)]
+            run_problems += _token_drift(ep, tokenizer)
+        for p in dict.fromkeys(run_problems):
+            found.setdefault(p, []).append(label)
+    problems += _once_each(found, len(runs))
     first, rerun = results[0], results[len(seeds)]
     episodes = [ep for ep in results if ep is not None]
     if first is not None and rerun is not None and _signature(first) != _signature(rerun):
@@ -171,9 +192,10 @@ async def acheck_workflow(
             f"roles {unused} are declared but never generated in {len(episodes)} episodes; remove them from "
             "`roles` or pass a task where they act (require_all_roles=False to allow it)"
         )
+    problems += lost_text_problems(cls, tokenizer, episodes, replies)
     if problems:
         raise WorkflowCheckError(
-            f"{name} failed check_workflow ({len(problems)} problems):\n - " + "\n - ".join(problems)
+            f"{name} failed check_workflow ({_count(len(problems), 'problem')}):\n - " + "\n - ".join(problems)
         )
     assert first is not None
     return first
@@ -190,6 +212,7 @@ def check_workflow(
     require_all_roles: bool = True,
     check_token_drift: bool = True,
     timeout_s: float = 60.0,
+    replies: Mapping[str, Sequence[str] | str] | None = None,
 ) -> Episode:
     """Check that a workflow keeps the workflow contract; run it in your CI, like Gymnasium's ``check_env``.
 
@@ -200,7 +223,22 @@ def check_workflow(
     members sharing identical prompt token ids and the right group key; at most one commit per group;
     the episode ends within ``max_turns``, terminated or truncated; metrics are finite floats; the same
     seed gives the same episode; committed answers continue chats as their sampled ids
-    (``check_token_drift``).
+    (``check_token_drift``); every word of the prompts, of the class's ``vocabulary`` and of the replies
+    each role is expected to give (``replies``, default the class's ``example_replies``) survives
+    ``tokenizer``'s encode/decode round trip (a tailored tokenizer silently drops characters its vocabulary
+    lacks). A problem found on several runs is listed once, naming the runs.
+
+    Args:
+        workflow: Class, id, or ``"package.module:Class"``.
+        task: The task to play; default the class's ``example_task``.
+        branching, max_turns: K and T of the episodes.
+        seeds: One episode per seed (the first is played twice, and once more with K=1).
+        tokenizer: The tokenizer your model uses (default :func:`default_tokenizer`, which encodes any text).
+        require_all_roles: Every declared role must generate at least once.
+        check_token_drift: Check that chats are continued with sampled ids, not re-encoded text.
+        timeout_s: The most one episode may take.
+        replies: ``{role: (reply, ...)}``: what each role is expected to say (e.g. the replies your tests
+            script); each word must survive the tokenizer. Default: the class's ``example_replies``.
 
     Returns:
         The episode of the first seed (for further assertions).
@@ -221,5 +259,6 @@ def check_workflow(
             require_all_roles=require_all_roles,
             check_token_drift=check_token_drift,
             timeout_s=timeout_s,
+            replies=replies,
         )
     )
