@@ -38,7 +38,7 @@ CONFIGS = {
     "per_role_models": ["mas_policies=per_role_models"],
     "per_role_lora": ["mas_policies=per_role_lora"],  # one resident base, an adapter per role (mas.lora_base=shared)
     "per_role_lora_stacks": ["mas_policies=per_role_lora", "mas.lora_base=per_policy",  # a stack per adapter
-                             "mas.policies.caller.model.lora.merge=true", "mas.policies.runner.model.lora.merge=true"],
+                             "mas.per_role.model.lora.merge=true"],
 }
 
 

@@ -74,7 +74,7 @@ def test_per_role_models_of_different_sizes_train_route_sync_save_and_resume(tmp
     from verl_mas.workflows.relay import RelayWorkflow
 
     write_tiny(run_dir / "model", vocab=list(RelayWorkflow.vocabulary), chat_template=CHAT_TEMPLATE)
-    policies = ["mas_policies=per_role_models", f"mas.policies.runner.model.path={runner_model}",
+    policies = ["mas_policies=per_role_models", f"+mas.policies.runner.model.path={runner_model}",
                 "+mas.policies.runner.actor={optim: {weight_decay: 0.0}}"]
     metrics = _run(run_dir, recipe_runs.relay_shape, *policies, "trainer.total_training_steps=2", "trainer.save_freq=2", SAVE_HF,
                    "trainer.test_freq=2", f"trainer.validation_data_dir={run_dir / 'val1'}")

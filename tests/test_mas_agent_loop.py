@@ -552,6 +552,15 @@ async def test_every_key_of_the_mas_block_has_an_effect(tiny_model_dir: Path) ->
                                 episodes=["u_0", "u_0"]).rewards.tolist() for extra in ({}, {"trajectory_reward": "success"})]
         assert scores == [[0.5, 0.5], [1.0, 1.0]]
 
+    async def per_role() -> None:  # every role of the data's workflows gets a policy of its own
+        from verl_mas.startup import expand_per_role
+
+        cfg = OmegaConf.create({"mas": {"per_role": {"actor": {"optim": {"lr": 1e-3}}}, "workflow": "toy-walk-v0"},
+                                "data": {}})
+        assert expand_per_role(cfg) == []
+        assert list(cfg.mas.policies) == ["planner", "mover"] and cfg.mas.roles.mover.policy == "mover"
+        assert MasConfig.from_verl_config(cfg).multi_policy
+
     async def lora_base() -> None:  # LoRA policies on one base share it (an adapter each) or get a stack each
         from verl_mas.policies import policy_configs
         from verl_mas.policies.adapters import shared_base_plan
@@ -571,6 +580,7 @@ async def test_every_key_of_the_mas_block_has_an_effect(tiny_model_dir: Path) ->
         "workflow": workflow, "roles": roles_and_policies, "policies": roles_and_policies, "sandbox": sandbox_block,
         "val_branching": val_branching, "request_timeout_s": request_timeout_s,
         "replay_poll_interval_s": replay_poll_interval_s, "trajectory_reward": trajectory_reward,
+        "per_role": per_role,
     }
     assert set(observations) == {f.name for f in fields(MasConfig)}
     for observe in dict.fromkeys(observations.values()):

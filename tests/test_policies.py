@@ -130,6 +130,7 @@ def test_routing_check_reads_the_workflows_named_by_the_data(tmp_path: Path) -> 
     assert RoleRouter.from_mas(MasConfig.from_mapping(TWO)).problems(roles) == []  # both relay roles routed
     half = MasConfig.from_mapping({"policies": {"caller": {}, "runner": {}},
                                    "roles": {"caller": {"policy": "caller"}, "planner": {"policy": "runner"}}})
+    # relay-v0's runner has no route (the route of "planner", another workflow's role, serves no role here).
     assert RoleRouter.from_mas(half).problems(roles) == [
         "workflow 'relay-v0' has roles ['runner'] that no policy serves: with several policies (['caller', 'runner']) "
         "every role needs mas.roles.<role>.policy."]
@@ -311,7 +312,9 @@ def test_start_up_reports_every_problem_in_one_error(tmp_path: Path) -> None:
 
     # A bad route, an unused policy, a misspelled nested override, an unrouted role (relay-v0's runner),
     # a NaN alpha and a rollout setting one process reads for all policies: one error names them all.
-    cfg = _cpu_recipe(tmp_path, "mas_policies=per_role_models", "~mas.roles.runner",
+    # Policies and routes listed by hand (the caller's only): a route for a role relay-v0 does not have, too.
+    cfg = _cpu_recipe(tmp_path, "~mas.policies.default", "+mas.policies.caller={}", "+mas.policies.runner={}",
+                      "+mas.roles.caller.policy=caller",
                       "+mas.roles.judge.policy=nobody", "+mas.policies.spare={}",
                       "+mas.policies.runner.actor.optim.lrr=1e-3", "mas.alpha=nan",
                       "+mas.policies.runner.rollout.response_length=7")
@@ -320,14 +323,16 @@ def test_start_up_reports_every_problem_in_one_error(tmp_path: Path) -> None:
     message = str(err.value)
     for expected in (
         "mas.roles.judge.policy is 'nobody'",
-        "mas.policies ['runner', 'spare'] serve no role",  # runner's only role lost its route
+        "mas.policies ['runner', 'spare'] serve no role",  # the runner's role has no route
         "mas.policies.runner.actor.optim.lrr: actor_rollout_ref.actor.optim.lrr does not exist",
         "workflow 'relay-v0' has roles ['runner'] that no policy serves",
         "mas.alpha is nan",
         "mas.policies.runner.rollout.response_length is 7 but the first policy's is 3",
+        "mas.roles names roles ['judge'] that no workflow of the data has (their roles: {'relay-v0': ['caller', "
+        "'runner']})",
     ):
         assert expected in message, (expected, message)
-    assert message.startswith("verl_mas cannot start: 6 problem(s)")
+    assert message.startswith("verl_mas cannot start: 7 problem(s)")
     # Control: the shipped per-role recipe passes.
     mas, configs = check_run_config(_cpu_recipe(tmp_path, "mas_policies=per_role_models"))
     assert list(configs) == mas.policy_names == ["caller", "runner"]
@@ -519,8 +524,8 @@ def test_each_adapter_of_a_shared_base_gets_the_rank_and_alpha_verls_fsdp_engine
     # rank 8 / alpha 16 (verl builds its adapter from them); the runner sets rank 2 / alpha 4, which must reach
     # its adapter, not the Megatron block's alpha 32.
     _, configs = check_run_config(_cpu_recipe(
-        tmp_path, "mas_policies=per_role_lora", "mas.policies.runner.model.lora_rank=2",
-        "mas.policies.runner.model.lora_alpha=4", "+mas.policies.runner.actor.optim.clip_grad=0.5"))
+        tmp_path, "mas_policies=per_role_lora", "+mas.policies.runner.model.lora_rank=2",
+        "+mas.policies.runner.model.lora_alpha=4", "+mas.policies.runner.actor.optim.clip_grad=0.5"))
     plan = adapter_plan(configs)
     assert configs["caller"].model.lora.alpha == 32  # the block is there, and is not what the adapters use
     assert {p: (spec["rank"], spec["alpha"]) for p, spec in plan.items()} == {"caller": (8, 16), "runner": (2, 4)}
@@ -531,9 +536,9 @@ def test_each_adapter_of_a_shared_base_gets_the_rank_and_alpha_verls_fsdp_engine
 
 @pytest.mark.parametrize(("override", "why", "instead"), [
     ("+mas.policies.runner.model.lora.rank=2", "verl's FSDP engine builds each adapter from model.lora_rank",
-     "mas.policies.runner.model.lora_rank=2"),
+     "+mas.policies.runner.model.lora_rank=2"),
     ("+mas.policies.runner.model.lora.alpha=4", "verl's FSDP engine builds each adapter from model.lora_alpha",
-     "mas.policies.runner.model.lora_alpha=4"),
+     "+mas.policies.runner.model.lora_alpha=4"),
     ("+mas.policies.runner.actor.optim.total_training_steps=10", "is set by verl's trainer at run time",
      "trainer.total_training_steps=10"),
     ("+mas.policies.runner.actor.optim._target_=verl.workers.config.optimizer.FSDPOptimizerConfig",
@@ -560,7 +565,7 @@ def test_a_recipe_lora_rank_in_the_megatron_block_is_refused_on_a_shared_base(tm
 
     # model.lora.rank=8 with model.lora_rank=0 on every policy: verl's FSDP engine would build no adapter at all.
     cfg = _cpu_recipe(tmp_path, "mas_policies=per_role_lora", "actor_rollout_ref.model.lora.rank=8",
-                      "mas.policies.caller.model.lora_rank=0", "mas.policies.runner.model.lora_rank=0")
+                      "+mas.policies.caller.model.lora_rank=0", "+mas.policies.runner.model.lora_rank=0")
     with pytest.raises(MasConfigError, match=r"actor_rollout_ref.model.lora.rank=8 but model.lora_rank=0: .* Set "
                                              r"model.lora_rank=8"):
         check_run_config(cfg)
@@ -715,3 +720,51 @@ def test_main_ppo_stops_before_ray_when_the_data_names_an_unknown_workflow(tmp_p
     assert "the data names workflow 'mine-v0', which this process cannot resolve" in out, out[-3000:]
     # Hydra's callback raised in main_ppo's own process: verl never initialised Ray.
     assert "ray init kwargs" not in out and "Started a local Ray instance" not in out
+
+
+def test_per_role_layouts_give_every_role_of_any_workflow_its_own_policy(tmp_path: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from verl_mas import Workflow, register_workflow
+    from verl_mas.data import make_rows
+    from verl_mas.startup import check_run_config
+
+    @register_workflow("trio-test-v0")
+    class Trio(Workflow):  # three roles acting in sequence (resolvable in this process only)
+        roles = ("proposer", "critic", "reviser")
+
+        async def run(self, task):
+            for role in self.roles:
+                (await self.generate(role, [{"role": "user", "content": role}])).best()
+
+    # relay-v0 (the recipe's data): caller and runner, in the workflow's role order, each routed to itself.
+    mas, configs = check_run_config(_cpu_recipe(tmp_path, "mas_policies=per_role_models"))
+    assert list(configs) == mas.policy_names == ["caller", "runner"]
+    assert {r: s["policy"] for r, s in mas.roles.items()} == {"caller": "caller", "runner": "runner"}
+    # The same group file for a three-role workflow; a role's own override merges over the expansion.
+    for layout, extra in (("per_role_models", ("+mas.policies.critic.actor.optim.lr=5e-4",)),
+                          ("per_role_lora", ())):
+        cfg = _cpu_recipe(tmp_path, f"mas_policies={layout}", *extra)
+        for split in ("train", "test"):
+            pq.write_table(pa.Table.from_pylist(make_rows("trio-test-v0", split, ['{"x":1}'])),
+                           tmp_path / f"{split}.parquet")
+        mas, configs = check_run_config(cfg)
+        assert mas.policy_names == ["proposer", "critic", "reviser"], layout
+        assert {r: s["policy"] for r, s in mas.roles.items()} == {r: r for r in Trio.roles}
+        assert "per_role" not in cfg.mas  # expanded in place: the agent loops read policies and roles
+        if layout == "per_role_lora":
+            assert {p: c.model.lora_rank for p, c in configs.items()} == {r: 8 for r in Trio.roles}
+        else:
+            assert [configs[p].actor.optim.lr for p in mas.policy_names] == [3e-3, 5e-4, 3e-3]
+    # A role name that cannot name a policy: what, why, fix.
+    with pytest.raises(MasConfigError, match=r"mas.per_role must be|roles \['tool_user'\] are not policy names"):
+        @register_workflow("snake-test-v0")
+        class Snake(Trio):
+            roles = ("tool_user",)
+
+        cfg = _cpu_recipe(tmp_path, "mas_policies=per_role_models")
+        for split in ("train", "test"):
+            pq.write_table(pa.Table.from_pylist(make_rows("snake-test-v0", split, ['{"x":1}'])),
+                           tmp_path / f"{split}.parquet")
+        check_run_config(cfg)

@@ -121,6 +121,13 @@ class MasConfig(EpisodeSettings):
     (``model``, ``actor``, ``rollout``, ``ref`` blocks) applied on top of the recipe's. The first policy
     runs in verl's own actor/rollout stack; every further one gets its own worker group, rollout
     servers and weight sync, on verl's pool or, with ``resources: {n_gpus_per_node: N}``, on its own."""
+    per_role: Mapping[str, Any] | None = None
+    """One policy per role of the data's workflows, without listing roles: ``{model: ..., actor: ...}``, the
+    overrides every such policy gets (``{}``: the recipe's model, trained once per role). At start-up each role
+    of every workflow the data names (in the workflows' role order) becomes a policy named after it, routed to
+    it; ``mas.policies.<role>`` entries given as well are merged on top (a role's own model path or learning
+    rate), ``mas.roles.<role>`` entries replace its route. Expanded by :func:`verl_mas.startup.expand_per_role`
+    before anything reads ``policies`` or ``roles``."""
     lora_base: str = "shared"
     """When every policy is a LoRA adapter on one base model: ``shared`` (one worker group and one rollout hold
     the base once and every adapter; see :mod:`verl_mas.policies.adapters`) or ``per_policy`` (a stack per

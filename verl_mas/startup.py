@@ -20,7 +20,8 @@ from verl_mas.policies import policy_configs_and_problems, shared_rollout_proble
 from verl_mas.policies.adapters import ADAPTERS_KEY, adapter_plan, shared_base_plan
 from verl_mas.routing import RoleRouter, roles_of_workflows, workflows_in_data
 
-__all__ = ["Preflight", "check_run_config", "drop_problems", "prepare_verl_config", "workflow_problems"]
+__all__ = ["Preflight", "check_run_config", "drop_problems", "expand_per_role", "prepare_verl_config",
+           "workflow_problems"]
 
 
 def check_run_config(config: Any) -> tuple[MasConfig, dict[str, Any]]:
@@ -39,8 +40,10 @@ def check_run_config(config: Any) -> tuple[MasConfig, dict[str, Any]]:
     Raises:
         MasConfigError: listing every problem, each with its fix.
     """
+    expansion_problems = expand_per_role(config)
     block = config.get("mas", None) if hasattr(config, "get") else None
     mas, problems = MasConfig.parse(block)
+    problems = expansion_problems + problems
     algorithm = config.algorithm
     estimator = algorithm.adv_estimator
     if estimator != ESTIMATOR_NAME:
@@ -88,13 +91,71 @@ def check_run_config(config: Any) -> tuple[MasConfig, dict[str, Any]]:
     workflows = workflows_in_data(config) or ([mas.workflow] if mas.workflow else [])
     unresolved = workflow_problems(workflows)
     problems.extend(unresolved.values())
-    if mas.multi_policy and isinstance(mas.roles, Mapping):
-        problems.extend(RoleRouter.from_mas(mas).problems(roles_of_workflows(w for w in workflows if w not in unresolved)))
+    if isinstance(mas.roles, Mapping):
+        roles = roles_of_workflows(w for w in workflows if w not in unresolved)
+        if mas.multi_policy:
+            problems.extend(RoleRouter.from_mas(mas).problems(roles))
+        known = {r for of_workflow in roles.values() for r in of_workflow}
+        strangers = sorted(set(mas.roles) - known)
+        if roles and strangers:
+            problems.append(
+                f"mas.roles names roles {strangers} that no workflow of the data has (their roles: "
+                f"{ {w: list(r) for w, r in sorted(roles.items())} }): check the spelling, or drop settings written for "
+                "another workflow (mas.per_role gives every role of the data's workflows a policy by itself)."
+            )
     if problems:
         raise MasConfigError(
             f"verl_mas cannot start: {len(problems)} problem(s) in the config:\n  - " + "\n  - ".join(problems)
         )
     return mas, configs
+
+
+def expand_per_role(config: Any) -> list[str]:
+    """``mas.per_role``: one policy per role of the data's workflows, written into ``mas.policies`` and
+    ``mas.roles`` of ``config`` (in place; ``per_role`` is removed). The problems it finds (none if the block
+    has no ``per_role``).
+
+    The roles are those of every workflow the data names (``mas.workflow`` when the data names none), in the
+    workflows' own role order, so the first role's policy runs in verl's own stack. Explicit
+    ``mas.policies.<name>`` entries are merged over the expansion, explicit ``mas.roles.<role>`` entries kept.
+    """
+    import re
+
+    from omegaconf import OmegaConf
+
+    block = config.get("mas", None) if hasattr(config, "get") else None
+    if block is None or block.get("per_role", None) is None:
+        return []
+    overrides = block.get("per_role")
+    if not (isinstance(overrides, Mapping) or OmegaConf.is_dict(overrides)):
+        return [f"mas.per_role is {overrides!r}; it must be a mapping of actor_rollout_ref overrides every role's "
+                "policy gets ({} for the recipe's model as it is)."]
+    workflows = workflows_in_data(config) or ([block.get("workflow")] if block.get("workflow") else [])
+    resolvable = [w for w in workflows if w not in workflow_problems([w])]  # the others are reported on their own
+    roles: list[str] = []
+    for roles_of in roles_of_workflows(resolvable).values():
+        roles.extend(r for r in roles_of if r not in roles)
+    if not roles:
+        return ["mas.per_role gives every role of the data's workflows a policy, but the data names no workflow "
+                "this process can resolve (nor does mas.workflow): point data.train_files at data written by "
+                "python -m verl_mas.data, or list mas.policies and mas.roles."]
+    bad = [r for r in roles if not re.fullmatch(r"[A-Za-z][A-Za-z0-9-]{0,31}", r)]
+    if bad:
+        return [f"mas.per_role names each policy after its role, but roles {bad} are not policy names (a letter, "
+                "then letters, digits or '-', at most 32). List mas.policies and mas.roles for these roles instead."]
+    base = OmegaConf.to_container(OmegaConf.create(overrides), resolve=True)
+    explicit = block.get("policies", None) or {}
+    policies = {role: OmegaConf.merge(OmegaConf.create(base), explicit.get(role, None) or {}) for role in roles}
+    for name, own in explicit.items():  # further policies the user listed (reported if they serve no role)
+        if name not in policies:
+            policies[name] = own
+    routes = {role: {"policy": role} for role in roles}
+    routes.update({role: settings for role, settings in (block.get("roles", None) or {}).items()})
+    with open_dict(config):
+        config.mas.policies = policies
+        config.mas.roles = routes
+        del config.mas["per_role"]
+    return []
 
 
 def workflow_problems(workflow_ids: Iterable[str]) -> dict[str, str]:
