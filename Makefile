@@ -49,13 +49,14 @@ demo: setup
 
 # The episode viewer's browser test drives Debian's headless Chromium through its driver (browser downloads by
 # Playwright or Selenium Manager are not reachable); installed with apt-get when missing and run as root.
+# The viewer's script is also run in Node on a small fake DOM (tests/test_view.py).
 browser:
-	@if command -v chromium >/dev/null && command -v chromedriver >/dev/null; then :; \
-	elif [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null; \
-	else echo "make test needs Chromium and its driver: sudo apt-get install chromium chromium-driver" >&2; exit 1; fi
+	@if command -v chromium >/dev/null && command -v chromedriver >/dev/null && command -v node >/dev/null; then :; \
+	elif [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver nodejs >/dev/null; \
+	else echo "make test needs Chromium, its driver and Node: sudo apt-get install chromium chromium-driver nodejs" >&2; exit 1; fi
 
 test: setup vllm-env browser
-	VERL_MAS_VLLM_PYTHON=$(abspath $(VLLM_PY)) $(PY) -m pytest
+	VERL_MAS_VLLM_PYTHON=$(abspath $(VLLM_PY)) $(PY) -m pytest --durations=25
 
 test-fast: setup
 	$(PY) -m pytest -m "not slow"

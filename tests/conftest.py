@@ -44,7 +44,12 @@ def rollout_gap(data: dict, policy: str | None = None) -> float:
     trainer logs as ``mas/kept/training/rollout_probs_diff_mean`` when ``mas.drop_zero_variance`` leaves rows
     without signal out of the log-probs (it describes the kept rows only)."""
     name = "training/rollout_probs_diff_mean" if policy is None else f"policy/{policy}/training/rollout_probs_diff_mean"
-    return data[name] if name in data else data[f"mas/kept/{name}"]
+    for key in (name, f"mas/kept/{name}"):
+        if key in data:
+            return data[key]
+    raise AssertionError(
+        f"no {name} at this step: no row of {'the run' if policy is None else policy} went through log-probs "
+        f"(mas/drop/no_signal={data.get('mas/drop/no_signal')}); run the check with mas.drop_zero_variance=false")
 
 
 def rollout_sync_problems(metrics: list[dict], tolerance: float = SYNC_TOLERANCE) -> list[str]:

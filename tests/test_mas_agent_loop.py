@@ -540,7 +540,9 @@ async def test_every_key_of_the_mas_block_has_an_effect(tiny_model_dir: Path) ->
         padding = np.zeros(len(tree_rows), dtype=bool)
         dropped, metrics = rows_to_drop(groups, padding, MasConfig(branching=2, drop_zero_variance=True))
         assert dropped.tolist() == flat and metrics
-        assert rows_to_drop(groups, padding, MasConfig(branching=2))[0].tolist() == [False] * len(flat)
+        off = MasConfig(branching=2, drop_zero_variance=False)
+        assert rows_to_drop(groups, padding, off)[0].tolist() == [False] * len(flat)
+        assert MasConfig().drop_zero_variance  # on by default (the measured setting, recipes/at_grpo_cpu/README.md)
 
     async def trajectory_reward() -> None:  # trajectory GRPO: a role's return, or the team outcome, per row
 

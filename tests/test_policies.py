@@ -768,3 +768,23 @@ def test_per_role_layouts_give_every_role_of_any_workflow_its_own_policy(tmp_pat
             pq.write_table(pa.Table.from_pylist(make_rows("snake-test-v0", split, ['{"x":1}'])),
                            tmp_path / f"{split}.parquet")
         check_run_config(cfg)
+
+
+def test_start_up_names_vocabulary_words_a_policys_tokenizer_loses(tmp_path: Path) -> None:
+    from verl_mas.startup import check_run_config
+    from verl_mas.tiny import write_tiny
+    from verl_mas.workflows.relay import RelayWorkflow
+
+    # The caller's model has relay-v0's tailored tokenizer (control: nothing lost); the runner's lacks "nothing"
+    # and "navy", which relay prompts and replies use.
+    good = write_tiny(tmp_path / "good", vocab=list(RelayWorkflow.vocabulary))
+    short = write_tiny(tmp_path / "short", vocab=[w for w in RelayWorkflow.vocabulary if w not in ("nothing", "navy")])
+    check_run_config(_cpu_recipe(tmp_path, f"actor_rollout_ref.model.path={good}"))
+    cfg = _cpu_recipe(tmp_path, f"actor_rollout_ref.model.path={good}", "mas_policies=per_role_models",
+                      f"+mas.policies.runner.model.path={short}")
+    with pytest.raises(MasConfigError) as err:
+        check_run_config(cfg)
+    message = str(err.value)
+    assert message.startswith("verl_mas cannot start: 1 problem(s)") and "policy 'runner': its tokenizer" in message
+    assert "loses words of the vocabulary of workflow 'relay-v0' ('navy' becomes 'nay'" in message and "'nothing' becomes" in message
+    assert "--vocab-from relay-v0" in message

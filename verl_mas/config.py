@@ -96,8 +96,8 @@ class MasConfig(EpisodeSettings):
     """Advantage of a one-member group: ``zero`` (no baseline, no signal) or ``raw`` (its reward)."""
     check_group_prompts: bool = True
     """Check on every batch that all members of a group were sampled from one prompt (raise if not)."""
-    drop_zero_variance: bool = False
-    """Leave the rows of groups without signal (rewards all exactly equal, or one member under
+    drop_zero_variance: bool = True
+    """(Default on: measured in ``recipes/at_grpo_cpu/README.md``.) Leave the rows of groups without signal (rewards all exactly equal, or one member under
     ``singleton_advantage: zero``) out of the step's log-probs and update: their advantage is exactly 0, so they
     carry no policy gradient but cost compute and, under token-mean loss aggregation, dilute the others. Whole
     groups are dropped (the kept groups' statistics are unchanged). verl's data metrics (``critic/*``,

@@ -18,6 +18,7 @@ from verl_mas.advantage.at_grpo import ESTIMATOR_NAME, SINGLETON_KEY
 from verl_mas.config import MAS_TRAINER_MARK, MasConfig, MasConfigError
 from verl_mas.policies import policy_configs_and_problems, shared_rollout_problems
 from verl_mas.policies.adapters import ADAPTERS_KEY, adapter_plan, shared_base_plan
+from verl_mas.registry import get_workflow
 from verl_mas.routing import RoleRouter, roles_of_workflows, workflows_in_data
 
 __all__ = ["Preflight", "check_run_config", "drop_problems", "expand_per_role", "prepare_verl_config",
@@ -103,6 +104,10 @@ def check_run_config(config: Any) -> tuple[MasConfig, dict[str, Any]]:
                 f"{ {w: list(r) for w, r in sorted(roles.items())} }): check the spelling, or drop settings written for "
                 "another workflow (mas.per_role gives every role of the data's workflows a policy by itself)."
             )
+    if not problems:  # (with a broken block or routing the policies' models are not known)
+        problems.extend(vocabulary_problems(
+            {w: get_workflow(w) for w in workflows if w not in unresolved}, configs or {mas.policy_names[0]: config.actor_rollout_ref},
+            RoleRouter.from_mas(mas)))
     if problems:
         raise MasConfigError(
             f"verl_mas cannot start: {len(problems)} problem(s) in the config:\n  - " + "\n  - ".join(problems)
@@ -180,6 +185,45 @@ def workflow_problems(workflow_ids: Iterable[str]) -> dict[str, str]:
                 "its 'package.module:Class' path (python -m verl_mas.data package.module:Class ...) from a package "
                 "on the workers' PYTHONPATH."
             )
+    return out
+
+
+def vocabulary_problems(workflows: Mapping[str, Any], policy_configs: Mapping[str, Any], router: RoleRouter) -> list[str]:
+    """Words of a workflow's declared ``vocabulary`` that the tokenizer of a policy serving one of its roles
+    cannot write back: a role could never say them, or would read them mangled (``nothing`` as ``noting``).
+
+    Checked for workflows that declare a ``vocabulary`` (a tailored tiny tokenizer, ``python -m verl_mas.tiny
+    --vocab-from``), on each policy's own tokenizer (``model.tokenizer_path`` or ``model.path``); a model path
+    that does not exist is left to verl, which reports it.
+    """
+    import os
+
+    from verl_mas.testing.roundtrip import lost_words
+
+    out: list[str] = []
+    tokenizers: dict[str, Any] = {}
+    for workflow_id, cls in sorted(workflows.items()):
+        words = tuple(getattr(cls, "vocabulary", None) or ())
+        if not words:
+            continue
+        for name in sorted({router.policy_of(role) for role in cls.roles} & set(policy_configs)):
+            model = policy_configs[name].model
+            path = model.get("tokenizer_path", None) or model.get("path", None)
+            if not path or not os.path.isdir(str(path)):
+                continue
+            if path not in tokenizers:
+                from transformers import AutoTokenizer
+
+                tokenizers[path] = AutoTokenizer.from_pretrained(str(path))
+            lost = [(w, back) for word in words for w, back in lost_words(tokenizers[path], word)]
+            if lost:
+                shown = ", ".join(f"{w!r} becomes {b!r}" for w, b in lost[:5])
+                out.append(
+                    f"policy {name!r}: its tokenizer ({path}) loses words of the vocabulary of workflow {workflow_id!r} "
+                    f"({shown}{' ...' if len(lost) > 5 else ''}), so its roles could never say them or would read them "
+                    f"mangled. Build the model's tokenizer from the workflow (python -m verl_mas.tiny --out DIR "
+                    f"--vocab-from {workflow_id}), or point the policy's model.tokenizer_path at one that covers them."
+                )
     return out
 
 
