@@ -84,18 +84,30 @@ def test_verl_sees_the_cpu_vllm_and_the_plugin_keeps_linear_weights_for_weight_s
     assert diff < 1e-4, out
 
 
-def _tiny_model(run_dir: Path, *vocab: str) -> None:
-    # vLLM's CPU attention takes head sizes >= 32: hidden 128 over the tiny model's 4 heads.
-    args = ["--vocab", *vocab] if vocab else []
-    subprocess.run([_vllm_python(), "-m", "verl_mas.tiny", "--out", str(run_dir / "model"), "--hidden-size", "128",
-                    *args], check=True, capture_output=True, timeout=300)
+#: Where the CPU recipes build their tiny model for cpu_rollout=vllm: hidden 128 over 4 heads, head size 32 (vLLM's
+#: CPU attention refuses the default tiny model's 16; tests/test_vllm_support.py checks the recipes' choice).
+VLLM_MODEL = "model-h128"
+#: Bytes of one full weight sync of the recipe's model for vLLM with relay-v0's vocabulary (82 tokens), in fp32: the
+#: state dict, tied lm_head included. Per layer (hidden 128, 4 heads, 2 KV heads of 32, MLP 256): q 128*128+128 =
+#: 16,512, k and v 128*64+64 = 8,256 each, o 16,384, gate/up/down 3*128*256 = 98,304, two norms 256 -> 147,968;
+#: 2 layers 295,936 + embedding 82*128 = 10,496 + final norm 128 + lm_head 10,496 = 317,056 floats.
+RELAY_MODEL_BYTES = 317_056 * 4
+
+
+def test_the_head_sizes_checked_at_start_up_are_the_ones_vllms_cpu_attention_serves() -> None:
+    out = _run("""
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+        from verl_mas.backends.vllm.support import CPU_ATTENTION_HEAD_SIZES
+        print("vllm", CPUAttentionBackend.get_supported_head_sizes(), "ours", list(CPU_ATTENTION_HEAD_SIZES))
+    """)
+    vllm_sizes, ours = out.split("vllm ", 1)[1].split(" ours ")
+    assert vllm_sizes.strip() == ours.strip(), out
 
 
 def test_grpo_main_ppo_on_vllm_samples_from_the_synced_weights_and_a_frozen_rollout_is_caught(tmp_path: Path,
                                                                                               recipe_runs) -> None:
     for name in ("synced", "frozen"):
-        (tmp_path / name).mkdir()
-        _tiny_model(tmp_path / name)
+        (tmp_path / name).mkdir()  # the recipe builds the model vLLM can serve (VLLM_MODEL)
     proc, metrics = recipe_runs.run(SMOKE, tmp_path / "synced", *VLLM, python=_vllm_python(), steps=2)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     gaps = [m["data"]["training/rollout_probs_diff_mean"] for m in metrics]
@@ -114,9 +126,7 @@ def test_grpo_main_ppo_on_vllm_samples_from_the_synced_weights_and_a_frozen_roll
 
 def test_at_grpo_relay_on_vllm_trains_full_groups_from_synced_weights(tmp_path: Path, recipe_runs) -> None:
     run_dir = tmp_path / "relay"
-    run_dir.mkdir()
-    subprocess.run([_vllm_python(), "-m", "verl_mas.tiny", "--out", str(run_dir / "model"), "--hidden-size", "128",
-                    "--vocab-from", "relay-v0"], check=True, capture_output=True, timeout=300)
+    run_dir.mkdir()  # the recipe builds the model vLLM can serve (VLLM_MODEL)
     proc, metrics = recipe_runs.run(REPO / "recipes" / "at_grpo_cpu" / "run.sh", run_dir, *recipe_runs.relay_shape, *VLLM,
                                     "data.train_batch_size=8", python=_vllm_python(), steps=3)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
@@ -162,8 +172,7 @@ def _two_policy_run(recipe_runs, tmp_path: Path, tag: str, *overrides: str, sync
     one per step), and a zero runner gradient.
     """
     run_dir = tmp_path / "run"
-    run_dir.mkdir()
-    _tiny(run_dir / "model", "--hidden-size", "128", "--vocab-from", "relay-v0")
+    run_dir.mkdir()  # the recipe builds the model vLLM can serve (VLLM_MODEL): hidden 128, relay-v0's vocabulary
     proc, metrics = recipe_runs.run(
         REPO / "recipes" / "at_grpo_cpu" / "run.sh", run_dir, *recipe_runs.relay_shape, *VLLM, f"data.train_batch_size={TASKS}",
         "mas.alpha=0",
@@ -202,10 +211,17 @@ def test_two_models_of_different_sizes_as_two_roles_on_vllm_route_sync_and_train
     # Another size and another family: the runner's model has a byte-level BPE vocabulary (512 tokens), the
     # caller's the relay's word-level one (82 tokens).
     runner_model = _tiny(tmp_path / "runner_model", "--hidden-size", "256", "--layers", "3", "--seed", "7")
-    run_dir, _ = _two_policy_run(recipe_runs, tmp_path, "vllm-policies", "mas_policies=per_role_models",
-                                 f"mas.policies.runner.model.path={runner_model}", syncs_at_step_1=2.0, gap=1e-6)
+    run_dir, steps = _two_policy_run(recipe_runs, tmp_path, "vllm-policies", "mas_policies=per_role_models",
+                                     f"+mas.policies.runner.model.path={runner_model}", syncs_at_step_1=2.0, gap=1e-6)
+    # The bytes the vLLM servers loaded (mas/rollout/weight_bytes; it was always 0 on vLLM): each sync is a model's
+    # full state dict in fp32. The caller's is RELAY_MODEL_BYTES; the runner's (hidden 256, 3 layers, 512 tokens,
+    # KV heads of 64): per layer q 65,792, k and v 32,896 each, o 65,536, MLP 196,608, norms 512 -> 394,240; 3 layers
+    # 1,182,720 + embedding 512*256 = 131,072 + final norm 256 + lm_head 131,072 = 1,445,120 floats.
+    # Step 1 holds two syncs per policy (the initial one and step 1's), step 2 one each.
+    model_bytes = RELAY_MODEL_BYTES + 1_445_120 * 4
+    assert [m["data"]["mas/rollout/weight_bytes"] for m in steps] == [2 * model_bytes, model_bytes]
     ckpt = run_dir / "checkpoints" / "global_step_2"
-    caller_before, caller_after = _weights(run_dir / "model"), _weights(ckpt / "actor" / "huggingface")
+    caller_before, caller_after = _weights(run_dir / VLLM_MODEL), _weights(ckpt / "actor" / "huggingface")
     runner_before, runner_after = _weights(runner_model), _weights(ckpt / "actor_runner" / "huggingface")
     assert runner_after["model.embed_tokens.weight"].shape[1] == 256
     assert sum(not torch.equal(caller_before[k], caller_after[k]) for k in caller_before) > len(caller_before) // 2
@@ -282,8 +298,7 @@ def test_a_weight_sync_the_vllm_side_fails_stops_the_run_with_the_cause(tmp_path
     exit non-zero within the test's timeout, naming the cause and the fix.
     """
     run_dir = tmp_path / "broken"
-    run_dir.mkdir()
-    _tiny_model(run_dir)
+    run_dir.mkdir()  # the recipe builds the model vLLM can serve (VLLM_MODEL): hidden 128
     proc, metrics = recipe_runs.run(SMOKE, run_dir, *VLLM, python=_vllm_python(), steps=1, VLLM_PLUGINS="none")
     log = proc.stdout + proc.stderr
     assert proc.returncode != 0, log[-3000:]
@@ -428,13 +443,19 @@ def test_one_resident_base_with_an_adapter_per_role_on_vllm_serves_each_role_its
     adapters = {p: load_file(str(ckpt / "adapters" / p / "adapter_model.safetensors")) for p in ("caller", "runner")}
     assert all(torch.count_nonzero(v) == 0 for k, v in adapters["runner"].items() if "lora_B" in k)
     assert sum(int(torch.count_nonzero(v)) for k, v in adapters["caller"].items() if "lora_B" in k) > 0
+    # The bytes the one server loaded (mas/rollout/weight_bytes), as on hf (tests/test_main_ppo_policies.py): the base
+    # once, then each sync's two rank-8 adapters on every linear layer: per layer 8 * (q 128+128, k 128+64,
+    # v 128+64, o 128+128, gate 128+256, up 128+256, down 256+128) = 8 * 2,048 floats; 2 layers: 131,072 bytes an
+    # adapter. Step 1: the base, then the adapters twice (initial sync, step 1's); step 2: the adapters once.
+    adapter_bytes = 2 * 8 * 2_048 * 4
+    assert [m["data"]["mas/rollout/weight_bytes"] for m in steps] == [RELAY_MODEL_BYTES + 2 * 2 * adapter_bytes,
+                                                                      2 * adapter_bytes]
     synced = steps[-1]["data"]["policy/caller/training/rollout_probs_diff_mean"]
     # Negative control: the same run with each request served by the other policy's adapter. At step 1 both
     # adapters are still zero (B = 0 at creation) and the swap is invisible; at step 2 the caller's adapter has
     # moved and its requests, answered by the runner's zero adapter, show a gap far above the synced one.
     swapped_dir = tmp_path / "swapped"
-    swapped_dir.mkdir()
-    _tiny(swapped_dir / "model", "--hidden-size", "128", "--vocab-from", "relay-v0")
+    swapped_dir.mkdir()  # the recipe builds the model vLLM can serve (VLLM_MODEL)
     proc, metrics = recipe_runs.run(
         REPO / "recipes" / "at_grpo_cpu" / "run.sh", swapped_dir, *recipe_runs.relay_shape, *VLLM,
         f"data.train_batch_size={TASKS}", "mas.alpha=0", "mas_policies=per_role_lora",

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # AT-GRPO on CPU through verl's main_ppo (see at_grpo_cpu.yaml).
 # Usage: [WORKFLOW=relay-v0] [TRAIN_TASKS=64 TEST_TASKS=16] [MODEL_SEED=0] bash recipes/at_grpo_cpu/run.sh [hydra overrides...]
-# Outputs go to $VERL_MAS_RUN_DIR (default: ./runs/at_grpo_cpu): model, data, metrics.jsonl, checkpoints, hydra logs.
+# Outputs go to $VERL_MAS_RUN_DIR (default: ./runs/at_grpo_cpu): model (model-h128 for cpu_rollout=vllm), data,
+# metrics.jsonl, checkpoints, hydra logs.
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 PYTHON="${PYTHON:-python}"
@@ -13,13 +14,25 @@ VOCAB=()
 if "$PYTHON" -c "import sys; from verl_mas.registry import get_workflow; sys.exit(0 if getattr(get_workflow('$WORKFLOW'), 'vocabulary', None) else 1)"; then
   VOCAB=(--vocab-from "$WORKFLOW")
 fi
-[ -f "$RUN_DIR/model/config.json" ] || "$PYTHON" -m verl_mas.tiny --out "$RUN_DIR/model" --seed "${MODEL_SEED:-0}" "${VOCAB[@]}"
+# The tiny model's shape fits the rollout the overrides select: vLLM's CPU attention serves head sizes 32, 64, 80, ...
+# only (verl_mas.backends.vllm.support), not the default tiny model's 16 (hidden 64 over 4 heads), so a vLLM rollout
+# gets hidden 128 (head size 32), in a directory of its own: a model built for the hf rollout is never reused.
+ROLLOUT=hf
+for arg in "$@"; do
+  case "$arg" in
+    cpu_rollout=*|+cpu_rollout=*|++cpu_rollout=*) ROLLOUT="${arg#*cpu_rollout=}" ;;
+    actor_rollout_ref.rollout.name=*|+actor_rollout_ref.rollout.name=*|++actor_rollout_ref.rollout.name=*) ROLLOUT="${arg#*=}" ;;
+  esac
+done
+MODEL="$RUN_DIR/model"; SHAPE=()
+if [ "$ROLLOUT" = vllm ]; then MODEL="$RUN_DIR/model-h128"; SHAPE=(--hidden-size 128); fi
+[ -f "$MODEL/config.json" ] || "$PYTHON" -m verl_mas.tiny --out "$MODEL" --seed "${MODEL_SEED:-0}" "${SHAPE[@]}" "${VOCAB[@]}"
 [ -f "$RUN_DIR/data/train.parquet" ] || "$PYTHON" -m verl_mas.data "$WORKFLOW" --out "$RUN_DIR/data" --train "${TRAIN_TASKS:-64}" --test "${TEST_TASKS:-16}" --seed 0
 
 export VERL_PLATFORM=cpu
 export VERL_FILE_LOGGER_PATH="$RUN_DIR/metrics.jsonl"
 "$PYTHON" -m verl.trainer.main_ppo --config-path "$HERE" --config-name at_grpo_cpu \
-  actor_rollout_ref.model.path="$RUN_DIR/model" \
+  actor_rollout_ref.model.path="$MODEL" \
   data.train_files="$RUN_DIR/data/train.parquet" data.val_files="$RUN_DIR/data/test.parquet" \
   hydra.run.dir="$RUN_DIR/hydra" trainer.default_local_dir="$RUN_DIR/checkpoints" mas.record.dir="$RUN_DIR/episodes" \
   "$@"

@@ -15,7 +15,7 @@ from verl_mas.backends.vllm import FREEZE_WEIGHTS_ENV
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["apply", "register"]
+__all__ = ["apply", "register", "weight_updates_frozen"]
 
 #: Attribute marking a function this module installed (so a second registration changes nothing).
 _MARK = "_verl_mas_vllm_plugin"
@@ -56,6 +56,13 @@ def _keep_cpu_linear_weights() -> None:
 
     setattr(dispatch_keeping_weight, _MARK, True)
     utils.dispatch_cpu_unquantized_gemm = dispatch_keeping_weight
+
+
+def weight_updates_frozen() -> bool:
+    """Whether this process ignores weight updates (the ``FREEZE_WEIGHTS_ENV`` diagnostic is installed here)."""
+    from verl.workers.rollout.vllm_rollout import utils
+
+    return bool(getattr(utils.vLLMColocateWorkerExtension._update_weights, _MARK, False))
 
 
 def _freeze_weight_updates() -> None:

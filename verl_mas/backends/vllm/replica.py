@@ -5,7 +5,8 @@ verl_mas is loaded. For a config without ``rollout.custom.mas_policy`` (a single
 policy of several) it launches verl's server under verl's names; a tagged policy's servers are named
 ``vllm_<policy>_server_<replica>_<node>`` and listen for weights on a socket path of their own
 (:func:`verl_mas.backends.vllm.weight_socket_job`), which the policy's worker-side adapter
-(:mod:`.adapter`) derives the same way.
+(:mod:`.adapter`) derives the same way. Every server counts the requests it served, the weight syncs it loaded
+and their bytes (``stats``; each vLLM worker reports the bytes it loaded, :mod:`.lora`).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from verl_mas.backends.vllm import SWAP_ADAPTERS_ENV, server_name_prefix, weight
 from verl_mas.policies.adapters import rollout_adapters
 from verl_mas.policies.configs import rollout_policy
 
-__all__ = ["PolicyVLLMHttpServer", "PolicyVLLMReplica"]
+__all__ = ["PolicyVLLMHttpServer", "PolicyVLLMReplica", "sync_bytes"]
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +58,23 @@ class _AdapterEngine:
         return self._engine.generate(*args, lora_request=adapter_request(self._serve[adapter], self._ids), **kwargs)
 
 
+def sync_bytes(answers: Any) -> int:
+    """The bytes one weight sync loaded: the sum of the vLLM workers' answers to ``update_weights_from_ipc``.
+
+    Raises:
+        TypeError: an answer is not a byte count: the workers do not run verl_mas's worker extension.
+    """
+    counts = isinstance(answers, list) and answers and all(type(a) is int for a in answers)
+    if not counts:
+        raise TypeError(
+            f"The vLLM workers answered a weight sync with {answers!r}, not a list of the bytes each loaded. "
+            "verl_mas's server starts vLLM with its own worker extension (verl_mas.backends.vllm.lora), whose "
+            "weight-sync call returns them; a server that names another extension must subclass "
+            "SyncBytesWorkerExtension."
+        )
+    return sum(answers)
+
+
 class PolicyVLLMHttpServer(vLLMHttpServer):
     """verl's vLLM server actor, counting requests and weight syncs, on a tagged policy's own weight socket; on
     a shared LoRA base, one LoRA slot per policy and each request served by the adapter it names
@@ -69,16 +87,16 @@ class PolicyVLLMHttpServer(vLLMHttpServer):
         os.environ[_JOB_ENV] = weight_socket_job(os.environ[_JOB_ENV], self.policy)
         self.requests_served = 0
         self.weight_updates = 0
+        self.weight_bytes = 0  # bytes loaded by the weight syncs, summed over this server's vLLM workers
         self.adapters = rollout_adapters(self.config)  # None unless a shared LoRA base
         self.requests_by_adapter: dict[str, int] = {}
         self._loaded_adapters: set[int] = set()
 
     def _get_worker_extension_cls(self) -> str:
-        if self.adapters:
-            from verl_mas.backends.vllm.lora import EXTENSION_PATH
+        # Subclasses of verl's extension whose weight-sync call returns the bytes it loaded.
+        from verl_mas.backends.vllm.lora import EXTENSION_PATH, SYNC_BYTES_EXTENSION_PATH
 
-            return EXTENSION_PATH
-        return super()._get_worker_extension_cls()
+        return EXTENSION_PATH if self.adapters else SYNC_BYTES_EXTENSION_PATH
 
     async def run_server(self, args: Any) -> None:
         if self.adapters:
@@ -127,16 +145,21 @@ class PolicyVLLMHttpServer(vLLMHttpServer):
                 raise ValueError(f"adapter {adapter!r} (LoRA id {ids[adapter]}) is not loaded in vLLM yet; the trainer "
                                  "syncs every adapter before the first rollout.")
 
-    async def collective_rpc(self, method: Any, *args: Any, **kwargs: Any) -> Any:
-        out = await super().collective_rpc(method, *args, **kwargs)
-        if method == _WEIGHT_SYNC_RPC:
-            self.weight_updates += 1
-        return out
+    async def collective_rpc(self, method: Any, timeout: float | None = None, args: tuple = (),
+                             kwargs: dict[str, Any] | None = None) -> Any:
+        if method != _WEIGHT_SYNC_RPC:
+            return await super().collective_rpc(method, timeout=timeout, args=args, kwargs=kwargs)
+        # verl's collective_rpc drops the workers' answers; each worker answers a sync with the bytes it loaded.
+        answers = await self.engine.collective_rpc(method=method, timeout=timeout, args=args, kwargs=kwargs)
+        self.weight_updates += 1
+        self.weight_bytes += sync_bytes(answers)
 
     def stats(self) -> dict[str, int]:
-        """Counters since start: requests served and weight syncs loaded, and on a shared LoRA base the requests
-        per adapter (``requests:<adapter>``); the trainer logs them per policy."""
-        out = {"requests": int(self.requests_served), "weight_updates": int(self.weight_updates)}
+        """Counters since start: requests served, weight syncs loaded and their bytes (summed over the server's
+        vLLM workers: with tensor parallelism each worker loads the full tensors), and on a shared LoRA base the
+        requests per adapter (``requests:<adapter>``); the trainer logs them per policy."""
+        out = {"requests": int(self.requests_served), "weight_updates": int(self.weight_updates),
+               "weight_bytes": int(self.weight_bytes)}
         out.update({f"requests:{name}": int(n) for name, n in self.requests_by_adapter.items()})
         return out
 
