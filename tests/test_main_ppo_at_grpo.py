@@ -34,6 +34,11 @@ def test_at_grpo_trains_a_two_role_workflow_through_main_ppo(tmp_path: Path, rec
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1500,
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-5000:]
+    # What run.sh sets for a small machine keeps two floods out of the log (each repeated in every process or
+    # every TransferQueue call: hundreds of lines of a `make demo` were these).
+    out = proc.stdout + proc.stderr
+    print(f"[main-ppo-at-grpo] run.sh printed {len(out.splitlines())} lines for {STEPS} steps")
+    assert "should not exceed total physical CPU cores" not in out and "engine is not available" not in out
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))
     dropped_steps = 0
@@ -76,6 +81,10 @@ def test_at_grpo_trains_a_two_role_workflow_through_main_ppo(tmp_path: Path, rec
         if rows:
             dropped_steps += 1
     assert dropped_steps > 0  # the drop happened, so the checks above compared two different row sets
+    # The bytes the rollout loaded (one policy logs them too): the relay tiny model's state dict (hidden 64, 2
+    # layers, vocabulary 82; 27 tensors, the tied lm_head among them) holds 133,952 fp32 values = 535,808 bytes a
+    # sync; the sync after start-up and the one before step 1, then one a step.
+    assert [m["data"]["mas/rollout/weight_bytes"] for m in metrics] == [2 * 535_808, 535_808, 535_808]
     # Validation after the last step: single-sample (mas.val_branching=1) episodes on the 16 test tasks, 4 sampled
     # at the training temperature (val_kwargs) and one greedy per task, read by its 4 sessions (mas.val_greedy), reported by verl from
     # the agent loop's reward_extra_info as val-core/<source>/acc/mean@4 and val-aux/<source>/acc_greedy/mean@4.

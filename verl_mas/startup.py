@@ -15,6 +15,7 @@ from typing import Any
 from omegaconf import open_dict
 
 from verl_mas.advantage.at_grpo import ESTIMATOR_NAME, SINGLETON_KEY
+from verl_mas.backends.vllm.support import cpu_attention_problems
 from verl_mas.config import MAS_TRAINER_MARK, MasConfig, MasConfigError
 from verl_mas.policies import policy_configs_and_problems, shared_rollout_problems
 from verl_mas.policies.adapters import ADAPTERS_KEY, adapter_plan, shared_base_plan
@@ -89,6 +90,7 @@ def check_run_config(config: Any) -> tuple[MasConfig, dict[str, Any]]:
                     primary.rollout.custom = {**dict(primary.rollout.get("custom") or {}), ADAPTERS_KEY: plan}
     if mas.drop_zero_variance:
         problems.extend(drop_problems(config, configs or {mas.policy_names[0]: config.actor_rollout_ref}))
+    problems.extend(cpu_attention_problems(config, configs or None))  # a model vLLM's CPU build cannot serve
     workflows = workflows_in_data(config) or ([mas.workflow] if mas.workflow else [])
     unresolved = workflow_problems(workflows)
     problems.extend(unresolved.values())

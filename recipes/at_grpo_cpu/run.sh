@@ -30,6 +30,13 @@ if [ "$ROLLOUT" = vllm ]; then MODEL="$RUN_DIR/model-h128"; SHAPE=(--hidden-size
 [ -f "$RUN_DIR/data/train.parquet" ] || "$PYTHON" -m verl_mas.data "$WORKFLOW" --out "$RUN_DIR/data" --train "${TRAIN_TASKS:-64}" --test "${TEST_TASKS:-16}" --seed 0
 
 export VERL_PLATFORM=cpu
+# TransferQueue's threads: one per physical core (its default of 8 warns hundreds of times on a small machine).
+export TQ_NUM_THREADS="${TQ_NUM_THREADS:-$("$PYTHON" -c 'import psutil; print(psutil.cpu_count(logical=False) or 1)')}"
+# verl's engine registry warns in every process that the engines of other frameworks are not installed.
+export PYTHONWARNINGS="${PYTHONWARNINGS:-ignore::UserWarning:verl.workers.engine}"
+# A Ray of its own (ray_kwargs.ray_init.address=local in the yaml), which RAY_ADDRESS would override; to train on a
+# cluster, pass ray_kwargs.ray_init.address=<head:port>.
+unset RAY_ADDRESS
 export VERL_FILE_LOGGER_PATH="$RUN_DIR/metrics.jsonl"
 "$PYTHON" -m verl.trainer.main_ppo --config-path "$HERE" --config-name at_grpo_cpu \
   actor_rollout_ref.model.path="$MODEL" \

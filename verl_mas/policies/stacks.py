@@ -348,11 +348,10 @@ class MultiPolicyTrainer:
         return result
 
     def _server_metrics(self) -> dict[str, float]:
-        """Requests served and weight updates per policy since the last step (rollout backends with ``stats``)."""
+        """Requests served and weight updates per policy since the last step, and the bytes the weight syncs
+        loaded (``mas/rollout/weight_bytes``, also with one policy), for rollout backends with ``stats``."""
         import ray
 
-        if not self.mas.multi_policy:
-            return {}
         out: dict[str, float] = {}
         weight_bytes, servers = 0.0, {}  # the adapters of a shared base read one rollout's counters once
         for name, stack in self.stacks.items():
@@ -370,8 +369,10 @@ class MultiPolicyTrainer:
             # On a shared base the one rollout counts each adapter's requests.
             served = totals[f"requests:{stack.adapter}"] if stack.shares_base else totals["requests"]
             last = self._last_server_stats.get(name, {})
-            out[f"policy/{name}/rollout/requests"] = float(served - last.get("served", 0))
-            out[f"policy/{name}/rollout/weight_updates"] = float(totals["weight_updates"] - last.get("weight_updates", 0))
+            if self.mas.multi_policy:
+                out[f"policy/{name}/rollout/requests"] = float(served - last.get("served", 0))
+                out[f"policy/{name}/rollout/weight_updates"] = float(
+                    totals["weight_updates"] - last.get("weight_updates", 0))
             if first_read:
                 weight_bytes += totals["weight_bytes"] - last.get("weight_bytes", 0)
             self._last_server_stats[name] = {"served": served, "weight_updates": totals["weight_updates"],
