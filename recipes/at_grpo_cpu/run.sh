@@ -14,29 +14,10 @@ VOCAB=()
 if "$PYTHON" -c "import sys; from verl_mas.registry import get_workflow; sys.exit(0 if getattr(get_workflow('$WORKFLOW'), 'vocabulary', None) else 1)"; then
   VOCAB=(--vocab-from "$WORKFLOW")
 fi
-# The tiny model's shape fits the rollout the overrides select: vLLM's CPU attention serves head sizes 32, 64, 80, ...
-# only (verl_mas.backends.vllm.support), not the default tiny model's 16 (hidden 64 over 4 heads), so a vLLM rollout
-# gets hidden 128 (head size 32), in a directory of its own: a model built for the hf rollout is never reused.
-ROLLOUT=hf
-for arg in "$@"; do
-  case "$arg" in
-    cpu_rollout=*|+cpu_rollout=*|++cpu_rollout=*) ROLLOUT="${arg#*cpu_rollout=}" ;;
-    actor_rollout_ref.rollout.name=*|+actor_rollout_ref.rollout.name=*|++actor_rollout_ref.rollout.name=*) ROLLOUT="${arg#*=}" ;;
-  esac
-done
-MODEL="$RUN_DIR/model"; SHAPE=()
-if [ "$ROLLOUT" = vllm ]; then MODEL="$RUN_DIR/model-h128"; SHAPE=(--hidden-size 128); fi
+source "$HERE/../cpu_common.sh"  # MODEL and SHAPE for the selected rollout; the environment below
 [ -f "$MODEL/config.json" ] || "$PYTHON" -m verl_mas.tiny --out "$MODEL" --seed "${MODEL_SEED:-0}" "${SHAPE[@]}" "${VOCAB[@]}"
 [ -f "$RUN_DIR/data/train.parquet" ] || "$PYTHON" -m verl_mas.data "$WORKFLOW" --out "$RUN_DIR/data" --train "${TRAIN_TASKS:-64}" --test "${TEST_TASKS:-16}" --seed 0
 
-export VERL_PLATFORM=cpu
-# TransferQueue's threads: one per physical core (its default of 8 warns hundreds of times on a small machine).
-export TQ_NUM_THREADS="${TQ_NUM_THREADS:-$("$PYTHON" -c 'import psutil; print(psutil.cpu_count(logical=False) or 1)')}"
-# verl's engine registry warns in every process that the engines of other frameworks are not installed.
-export PYTHONWARNINGS="${PYTHONWARNINGS:-ignore::UserWarning:verl.workers.engine}"
-# A Ray of its own (ray_kwargs.ray_init.address=local in the yaml), which RAY_ADDRESS would override; to train on a
-# cluster, pass ray_kwargs.ray_init.address=<head:port>.
-unset RAY_ADDRESS
 export VERL_FILE_LOGGER_PATH="$RUN_DIR/metrics.jsonl"
 "$PYTHON" -m verl.trainer.main_ppo --config-path "$HERE" --config-name at_grpo_cpu \
   actor_rollout_ref.model.path="$MODEL" \

@@ -1,0 +1,24 @@
+# Shared by the CPU recipes' run.sh (sourced after PYTHON and RUN_DIR are set, with the recipe's Hydra overrides
+# as arguments): where the tiny model goes and its shape, and the environment a small machine needs.
+
+# The tiny model's shape fits the rollout the overrides select: vLLM's CPU attention serves head sizes 32, 64, 80, ...
+# only (verl_mas.backends.vllm.support), not the default tiny model's 16 (hidden 64 over 4 heads), so a vLLM rollout
+# gets hidden 128 (head size 32), in a directory of its own: a model built for the hf rollout is never reused.
+ROLLOUT=hf
+for arg in "$@"; do
+  case "$arg" in
+    cpu_rollout=*|+cpu_rollout=*|++cpu_rollout=*) ROLLOUT="${arg#*cpu_rollout=}" ;;
+    actor_rollout_ref.rollout.name=*|+actor_rollout_ref.rollout.name=*|++actor_rollout_ref.rollout.name=*) ROLLOUT="${arg#*=}" ;;
+  esac
+done
+MODEL="$RUN_DIR/model"; SHAPE=()
+if [ "$ROLLOUT" = vllm ]; then MODEL="$RUN_DIR/model-h128"; SHAPE=(--hidden-size 128); fi
+
+export VERL_PLATFORM=cpu
+# TransferQueue's threads: one per physical core (its default of 8 warns hundreds of times on a small machine).
+export TQ_NUM_THREADS="${TQ_NUM_THREADS:-$("$PYTHON" -c 'import psutil; print(psutil.cpu_count(logical=False) or 1)')}"
+# verl's engine registry warns in every process that the engines of other frameworks are not installed.
+export PYTHONWARNINGS="${PYTHONWARNINGS:-ignore::UserWarning:verl.workers.engine}"
+# A Ray of its own (ray_kwargs.ray_init.address=local in the yaml), which RAY_ADDRESS would override; to train on a
+# cluster, pass ray_kwargs.ray_init.address=<head:port>.
+unset RAY_ADDRESS
