@@ -52,7 +52,7 @@ demo: setup
 	@echo "verl's full log: runs/quickstart/main_ppo.log"
 	@set -o pipefail; PYTHON=$(PY) VERL_MAS_RUN_DIR=runs/quickstart bash recipes/at_grpo_cpu/run.sh 2>&1 \
 	  | tee runs/quickstart/main_ppo.log \
-	  | sed -unE 'h; s/.*step:([0-9]+) - .*val-aux\/relay-v0\/acc_greedy\/mean@[0-9]+:([0-9.e+-]+).*/  held-out greedy success at step \1: \2/p; g; s/.*step:([0-9]+) - .*mas\/success_rate:([0-9.e+-]+).*/  step \1: training success \2/p' \
+	  | sed -unE 'h; s/.*step:([0-9]+) - .*val-aux\/relay-v0\/acc_greedy\/mean@[0-9]+:(np\.float64\()?([0-9.e+-]+).*/  held-out greedy success at step \1: \3/p; g; s/.*step:([0-9]+) - .*mas\/success_rate:([0-9.e+-]+).*/  step \1: training success \2/p' \
 	  || { echo "make demo: the run failed; the end of runs/quickstart/main_ppo.log:" >&2; \
 	       tail -n 40 runs/quickstart/main_ppo.log >&2; exit 1; }
 	$(PY) -m verl_mas.report runs/quickstart/metrics.jsonl --plot runs/quickstart/curves.png
