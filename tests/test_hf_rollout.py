@@ -177,7 +177,7 @@ def test_server_actor_under_concurrent_ray_requests(tiny_model_dir: Path) -> Non
             path = local_path = {str(tiny_model_dir)!r}
             trust_remote_code = False
 
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
         config = RolloutConfig(name="hf", prompt_length=32, response_length=8, tensor_model_parallel_size=1)
         server = ray.remote(HFRolloutServer).options(max_concurrency=64).remote(config, ModelConfig(), 0)
         prompts = {PROMPTS!r}

@@ -79,7 +79,7 @@ def test_import_verl_registers_the_plugin_inside_a_ray_worker() -> None:
     proc = _run(
         """
         import json, ray
-        ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+        ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
 
         @ray.remote
         def probe():

@@ -410,7 +410,7 @@ def test_candidates_route_by_session_through_verls_load_balancer_with_ids_of_the
         def seen(self) -> tuple[str, list[str]]:
             return self.name, self.ids
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         config = OmegaConf.create({"actor_rollout_ref": {"rollout": {"full_determinism": True, "name": "hf"}}})
 

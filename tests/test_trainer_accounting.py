@@ -111,7 +111,7 @@ def test_an_agent_loop_error_reaches_the_trainer_through_the_jobs_error_log() ->
 
     from verl_mas.error_log import create_error_log, record_error, recorded_errors
 
-    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
     try:
         log = create_error_log()  # held, as the trainer holds it: an actor without a handle is collected  # noqa: F841
 

@@ -234,7 +234,7 @@ import ray, torch
 from verl.workers.rollout.vllm_rollout.bucketed_weight_transfer import BucketedWeightReceiver
 from verl_mas.backends.vllm.adapter import WatchedWeightSender, WeightSyncError
 
-ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
 WEIGHTS = [(f"w{i}", torch.full((256, 256), float(i))) for i in range(8)]  # 256 KiB each, 1 MiB buckets
 
 @ray.remote
