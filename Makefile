@@ -1,6 +1,6 @@
 # verl_mas: two commands for a fresh machine. Both create or refresh ./.venv first (idempotent).
 #   make demo   the main job: AT-GRPO through verl's main_ppo on CPU, a tiny model learning a two-role task
-#   make test   the test suite CI runs (includes real verl/Ray runs and verl's vLLM rollout; ~45 min on 2 cores)
+#   make test   the test suite CI runs (includes real verl/Ray runs and verl's vLLM rollout; about an hour on 2 cores)
 #   make vllm-env  ./.venv-vllm: verl with the CPU build of vLLM 0.24.0 (torch 2.11; ~7 GB, ~3 min); make test builds it
 # Knobs: PYTHON=python3.11  TORCH="torch==2.13.0"  PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu"
 
