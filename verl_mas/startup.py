@@ -72,7 +72,7 @@ def check_run_config(config: Any) -> tuple[MasConfig, dict[str, Any]]:
         )
     if mas.grouping == "trajectory" and mas.sampling != "parallel":
         problems.append(
-            "mas.grouping=trajectory normalises each episode's outcome over the task's episodes, but "
+            "mas.grouping=trajectory normalises each role's episode score over the task's episodes, but "
             f"mas.sampling={mas.sampling} runs one episode per task, so every group would be a singleton "
             "(no signal). Use mas.sampling=parallel mas.branching=1 actor_rollout_ref.rollout.n=K."
         )
@@ -107,9 +107,9 @@ def check_run_config(config: Any) -> tuple[MasConfig, dict[str, Any]]:
                 "another workflow (mas.per_role gives every role of the data's workflows a policy by itself)."
             )
     if not problems:  # (with a broken block or routing the policies' models are not known)
-        problems.extend(vocabulary_problems(
-            {w: get_workflow(w) for w in workflows if w not in unresolved}, configs or {mas.policy_names[0]: config.actor_rollout_ref},
-            RoleRouter.from_mas(mas)))
+        served = configs or {mas.policy_names[0]: config.actor_rollout_ref}
+        classes = {w: get_workflow(w) for w in workflows if w not in unresolved}
+        problems.extend(vocabulary_problems(classes, served, RoleRouter.from_mas(mas)))
     if problems:
         raise MasConfigError(
             f"verl_mas cannot start: {len(problems)} problem(s) in the config:\n  - " + "\n  - ".join(problems)
