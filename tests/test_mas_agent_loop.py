@@ -559,7 +559,7 @@ async def test_every_key_of_the_mas_block_has_an_effect(tiny_model_dir: Path) ->
 
         cfg = OmegaConf.create({"mas": {"per_role": {"actor": {"optim": {"lr": 1e-3}}}, "workflow": "toy-walk-v0"},
                                 "data": {}})
-        assert expand_per_role(cfg) == []
+        assert expand_per_role(cfg, ["toy-walk-v0"]) == []
         assert list(cfg.mas.policies) == ["planner", "mover"] and cfg.mas.roles.mover.policy == "mover"
         assert MasConfig.from_verl_config(cfg).multi_policy
 

@@ -46,7 +46,8 @@ DEFAULT_POLICY = "default"
 POLICY_BLOCKS = ("model", "actor", "rollout", "ref")
 #: A policy's own placement (not part of actor_rollout_ref): ``resources: {n_gpus_per_node: N, nnodes: M}``.
 POLICY_RESOURCES = "resources"
-_POLICY_NAME = re.compile(r"[A-Za-z][A-Za-z0-9-]{0,31}")
+#: A policy name (it names Ray actors and checkpoint folders).
+POLICY_NAME = re.compile(r"[A-Za-z][A-Za-z0-9-]{0,31}")
 #: Settings a role may have under ``mas.roles.<role>``.
 ROLE_KEYS = ("policy", "chat_template_kwargs")
 #: The paper's comparisons as Hydra overrides of a recipe (what each computes: docs/training.md, "Ablations").
@@ -202,7 +203,7 @@ class MasConfig(EpisodeSettings):
         if not isinstance(self.policies, Mapping) or not self.policies:
             return [f"mas.policies is {self.policies!r}; declare at least one policy, e.g. {{default: {{}}}}."]
         for name, overrides in self.policies.items():
-            if not isinstance(name, str) or not _POLICY_NAME.fullmatch(name):
+            if not isinstance(name, str) or not POLICY_NAME.fullmatch(name):
                 out.append(
                     f"mas.policies has the name {name!r}; policy names start with a letter and use letters, digits "
                     "and '-' (at most 32 characters): they name Ray actors and checkpoint folders."

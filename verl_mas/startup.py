@@ -9,17 +9,17 @@ a bad recipe fails in seconds with one error listing every problem and its fix.
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from omegaconf import open_dict
 
 from verl_mas.advantage.at_grpo import ESTIMATOR_NAME, SINGLETON_KEY
 from verl_mas.backends.vllm.support import cpu_attention_problems
-from verl_mas.config import MAS_TRAINER_MARK, MasConfig, MasConfigError
+from verl_mas.config import MAS_TRAINER_MARK, POLICY_NAME, MasConfig, MasConfigError
 from verl_mas.policies import policy_configs_and_problems, shared_rollout_problems
 from verl_mas.policies.adapters import ADAPTERS_KEY, adapter_plan, shared_base_plan
-from verl_mas.registry import get_workflow
+from verl_mas.registry import ENTRY_POINT_GROUP, get_workflow
 from verl_mas.routing import RoleRouter, roles_of_workflows, workflows_in_data
 
 __all__ = ["Preflight", "check_run_config", "drop_problems", "expand_per_role", "prepare_verl_config",
@@ -42,9 +42,13 @@ def check_run_config(config: Any) -> tuple[MasConfig, dict[str, Any]]:
     Raises:
         MasConfigError: listing every problem, each with its fix.
     """
-    expansion_problems = expand_per_role(config)
     block = config.get("mas", None) if hasattr(config, "get") else None
-    mas, problems = MasConfig.parse(block)
+    named = block.get("workflow", None) if block is not None and hasattr(block, "get") else None
+    workflows = workflows_in_data(config) or ([named] if named else [])
+    unresolved = workflow_problems(workflows)
+    resolvable = [w for w in workflows if w not in unresolved]
+    expansion_problems = expand_per_role(config, resolvable)
+    mas, problems = MasConfig.parse(config.get("mas", None) if hasattr(config, "get") else None)
     problems = expansion_problems + problems
     algorithm = config.algorithm
     estimator = algorithm.adv_estimator
@@ -88,14 +92,13 @@ def check_run_config(config: Any) -> tuple[MasConfig, dict[str, Any]]:
                 primary = configs[mas.policy_names[0]]
                 with open_dict(primary):
                     primary.rollout.custom = {**dict(primary.rollout.get("custom") or {}), ADAPTERS_KEY: plan}
+    served = configs or {mas.policy_names[0]: config.actor_rollout_ref}  # every policy's actor_rollout_ref
     if mas.drop_zero_variance:
-        problems.extend(drop_problems(config, configs or {mas.policy_names[0]: config.actor_rollout_ref}))
+        problems.extend(drop_problems(config, served))
     problems.extend(cpu_attention_problems(config, configs or None))  # a model vLLM's CPU build cannot serve
-    workflows = workflows_in_data(config) or ([mas.workflow] if mas.workflow else [])
-    unresolved = workflow_problems(workflows)
     problems.extend(unresolved.values())
     if isinstance(mas.roles, Mapping):
-        roles = roles_of_workflows(w for w in workflows if w not in unresolved)
+        roles = roles_of_workflows(resolvable)
         if mas.multi_policy:
             problems.extend(RoleRouter.from_mas(mas).problems(roles))
         known = {r for of_workflow in roles.values() for r in of_workflow}
@@ -107,8 +110,7 @@ def check_run_config(config: Any) -> tuple[MasConfig, dict[str, Any]]:
                 "another workflow (mas.per_role gives every role of the data's workflows a policy by itself)."
             )
     if not problems:  # (with a broken block or routing the policies' models are not known)
-        served = configs or {mas.policy_names[0]: config.actor_rollout_ref}
-        classes = {w: get_workflow(w) for w in workflows if w not in unresolved}
+        classes = {w: get_workflow(w) for w in resolvable}
         problems.extend(vocabulary_problems(classes, served, RoleRouter.from_mas(mas)))
     if problems:
         raise MasConfigError(
@@ -117,17 +119,15 @@ def check_run_config(config: Any) -> tuple[MasConfig, dict[str, Any]]:
     return mas, configs
 
 
-def expand_per_role(config: Any) -> list[str]:
-    """``mas.per_role``: one policy per role of the data's workflows, written into ``mas.policies`` and
-    ``mas.roles`` of ``config`` (in place; ``per_role`` is removed). The problems it finds (none if the block
-    has no ``per_role``).
+def expand_per_role(config: Any, workflows: Sequence[str]) -> list[str]:
+    """``mas.per_role``: one policy per role of ``workflows`` (the resolvable workflows the data names, or
+    ``mas.workflow``), written into ``mas.policies`` and ``mas.roles`` of ``config`` (in place; ``per_role`` is
+    removed). The problems it finds (none if the block has no ``per_role``).
 
-    The roles are those of every workflow the data names (``mas.workflow`` when the data names none), in the
-    workflows' own role order, so the first role's policy runs in verl's own stack. Explicit
-    ``mas.policies.<name>`` entries are merged over the expansion, explicit ``mas.roles.<role>`` entries kept.
+    The roles come in the workflows' own role order, so the first role's policy runs in verl's own stack.
+    Explicit ``mas.policies.<name>`` entries are merged over the expansion, explicit ``mas.roles.<role>`` entries
+    kept.
     """
-    import re
-
     from omegaconf import OmegaConf
 
     block = config.get("mas", None) if hasattr(config, "get") else None
@@ -137,16 +137,14 @@ def expand_per_role(config: Any) -> list[str]:
     if not (isinstance(overrides, Mapping) or OmegaConf.is_dict(overrides)):
         return [f"mas.per_role is {overrides!r}; it must be a mapping of actor_rollout_ref overrides every role's "
                 "policy gets ({} for the recipe's model as it is)."]
-    workflows = workflows_in_data(config) or ([block.get("workflow")] if block.get("workflow") else [])
-    resolvable = [w for w in workflows if w not in workflow_problems([w])]  # the others are reported on their own
     roles: list[str] = []
-    for roles_of in roles_of_workflows(resolvable).values():
+    for roles_of in roles_of_workflows(workflows).values():
         roles.extend(r for r in roles_of if r not in roles)
     if not roles:
         return ["mas.per_role gives every role of the data's workflows a policy, but the data names no workflow "
                 "this process can resolve (nor does mas.workflow): point data.train_files at data written by "
                 "python -m verl_mas.data, or list mas.policies and mas.roles."]
-    bad = [r for r in roles if not re.fullmatch(r"[A-Za-z][A-Za-z0-9-]{0,31}", r)]
+    bad = [r for r in roles if not POLICY_NAME.fullmatch(r)]
     if bad:
         return [f"mas.per_role names each policy after its role, but roles {bad} are not policy names (a letter, "
                 "then letters, digits or '-', at most 32). List mas.policies and mas.roles for these roles instead."]
@@ -172,8 +170,6 @@ def workflow_problems(workflow_ids: Iterable[str]) -> dict[str, str]:
     imports nothing of the launching script: a workflow registered only in a module the workers never import is
     unknown there. Checked where the run starts (the driver, and verl's task runner, a Ray worker of the job).
     """
-    from verl_mas.registry import ENTRY_POINT_GROUP, get_workflow
-
     out = {}
     for workflow_id in sorted(set(workflow_ids)):
         try:
