@@ -1,6 +1,6 @@
 # verl_mas: two commands for a fresh machine. Both create or refresh ./.venv first (idempotent).
 #   make demo   the main job: AT-GRPO through verl's main_ppo on CPU, a tiny model learning a two-role task
-#   make test   the test suite CI runs (includes real verl/Ray runs and verl's vLLM rollout; about an hour on 2 cores)
+#   make test   the test suite CI runs (includes real verl/Ray runs and verl's vLLM rollout; see README, Tests)
 #   make vllm-env  ./.venv-vllm: verl with the CPU build of vLLM 0.24.0 (torch 2.11; ~7 GB, ~3 min); make test builds it
 # Knobs: PYTHON=python3.11  TORCH="torch==2.13.0"  PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu"
 
@@ -65,11 +65,21 @@ browser:
 	elif [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver nodejs >/dev/null; \
 	else echo "make test needs Chromium, its driver and Node: sudo apt-get install chromium chromium-driver nodejs" >&2; exit 1; fi
 
+# Two pytest-xdist workers (TEST_WORKERS) take the tests longest first (tests/conftest.py orders them; tests that
+# share a module-scoped run stay together: loadgroup); the timing-sensitive `serial` tests then run alone. Both
+# parts always run; make test fails if either does. Each part ends with its slowest tests (--durations).
+TEST_WORKERS ?= 2
+XDIST := -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
+
 test: setup vllm-env browser
-	VERL_MAS_VLLM_PYTHON=$(abspath $(VLLM_PY)) $(PY) -m pytest --durations=25
+	@start=$$(date +%s); rc=0; \
+	VERL_MAS_VLLM_PYTHON=$(abspath $(VLLM_PY)) $(PY) -m pytest $(XDIST) -m "not serial" --durations=25 || rc=$$?; \
+	$(PY) -m pytest -m serial --durations=5 || rc=$$?; \
+	echo "make test: $$(( ($$(date +%s) - start) / 60 )) min $$(( ($$(date +%s) - start) % 60 )) s of tests"; exit $$rc
 
 test-fast: setup
-	$(PY) -m pytest -m "not slow"
+	@rc=0; $(PY) -m pytest $(XDIST) -m "not slow and not serial" || rc=$$?; \
+	$(PY) -m pytest -m "serial and not slow" || rc=$$?; exit $$rc
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) runs .pytest_cache

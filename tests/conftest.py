@@ -118,6 +118,19 @@ _FIGURE = re.compile(r"^\[[a-z0-9][a-z0-9-]*\] ")
 _figures: list[str] = []
 
 
+def _cost_tier(item: pytest.Item) -> int:
+    """0: a main_ppo run on vLLM (2-5 min), 1: another main_ppo run (1-4 min), 2: another slow test, 3: the rest."""
+    if "recipe_runs" in getattr(item, "fixturenames", ()):
+        return 0 if item.path.name == "test_vllm_cpu.py" else 1
+    return 2 if item.get_closest_marker("slow") else 3
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The longest tests first, each tier in collection order: make test's two pytest-xdist workers take them
+    in this order, and the many short tests fill in at the end instead of one long run finishing alone."""
+    items.sort(key=_cost_tier)
+
+
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     if report.when == "call" and report.passed:
         _figures.extend(line for line in report.capstdout.splitlines() if _FIGURE.match(line))

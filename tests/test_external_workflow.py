@@ -5,6 +5,10 @@
 fresh machine would ``pip install -e .``; the test must not change the suite's own environment), and the CPU
 recipe trains it for one step with one shared model and with ``mas_policies=per_role_models`` unchanged: the
 agent-loop workers, which import nothing of the test, resolve the workflow by its entry point.
+
+Each of the two runs also carries one of the paper's ablations (verl_mas.config.ABLATIONS; the third,
+parallel sampling, runs in tests/test_main_ppo_at_grpo.py): role-only groups on the shared model, trajectory-level
+GRPO on one model per role. One main_ppo start-up serves both claims; each test asserts one of them.
 """
 
 from __future__ import annotations
@@ -16,10 +20,15 @@ from pathlib import Path
 
 import pytest
 
+from verl_mas.config import ablation
+
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "at_grpo_cpu" / "run.sh"
 ROLES = ("proposer", "critic", "reviser")
 K, TASKS, TURNS = 4, 4, 2
+#: The runs: the policy layout, and the ablation each one also carries.
+RUNS = {"shared": "role_only_groups", "per_role_models": "trajectory_grpo"}
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
@@ -34,33 +43,60 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return site
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("layout", ["shared", "per_role_models"])
-def test_a_three_role_workflow_from_its_own_package_trains_through_main_ppo(installed: Path, tmp_path: Path,
-                                                                          layout: str, recipe_runs) -> None:
-    run_dir = tmp_path / "run"
+# Each run's tests on one pytest-xdist worker (make test runs two): the run starts once, not once per worker.
+@pytest.fixture(scope="module", params=[pytest.param(layout, marks=pytest.mark.xdist_group(f"trio-{layout}"))
+                                        for layout in RUNS])
+def trio_run(request: pytest.FixtureRequest, installed: Path, tmp_path_factory: pytest.TempPathFactory,
+             recipe_runs) -> tuple[str, dict]:
+    """One step of trio-v0 through main_ppo in a layout, with that layout's ablation: (layout, step metrics)."""
+    layout = request.param
+    run_dir = tmp_path_factory.mktemp(f"trio-{layout}") / "run"
     proc, metrics = recipe_runs.run(
         RECIPE, run_dir, *recipe_runs.relay_shape, f"mas_policies={layout}", f"data.train_batch_size={TASKS}",
-        f"mas.max_turns={TURNS}", steps=1, WORKFLOW="trio-v0", TRAIN_TASKS="16", TEST_TASKS="4",
-        PYTHONPATH=str(installed),
+        f"mas.max_turns={TURNS}", *ablation(RUNS[layout], K), steps=1, WORKFLOW="trio-v0", TRAIN_TASKS="16",
+        TEST_TASKS="4", PYTHONPATH=str(installed),
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-5000:]
     (m,) = metrics
     d = m["data"]
     turns = {role: d[f"mas/{role}/turns"] for role in ROLES}
-    print(f"[external-workflow] {layout}: success={d['mas/success_rate']:.2f} turns={turns} "
-          f"groups={d['mas/group/count']:.0f} gap={recipe_runs.gap(d):.1e}" if layout == "shared" else
-          f"[external-workflow] {layout}: success={d['mas/success_rate']:.2f} turns={turns} " + " ".join(
-              f"{p}: requests={d[f'policy/{p}/rollout/requests']:.0f} gap={recipe_runs.gap(d, p):.1e}" for p in ROLES))
-    # Every role acted, in (task, role, turn) groups of K: the workflow ran in the agent-loop workers.
-    assert d["mas/group/size_mean"] == K and d["mas/episodes"] == TASKS
+    print(f"[external-workflow] {layout} ({RUNS[layout]}): success={d['mas/success_rate']:.2f} turns={turns} "
+          f"groups={d['mas/group/count']:.0f} size={d['mas/group/size_mean']:.2f} episodes={d['mas/episodes']:.0f} "
+          + (f"gap={recipe_runs.gap(d):.1e}" if layout == "shared" else " ".join(
+              f"{p}: requests={d[f'policy/{p}/rollout/requests']:.0f} gap={recipe_runs.gap(d, p):.1e}" for p in ROLES)))
+    return layout, d
+
+
+def test_a_three_role_workflow_from_its_own_package_trains_through_main_ppo(trio_run, recipe_runs) -> None:
+    layout, d = trio_run
+    turns = {role: d[f"mas/{role}/turns"] for role in ROLES}
+    # Every role acted and every episode was counted: the workflow ran in the agent-loop workers.
     assert all(1 <= turns[role] <= TURNS for role in ROLES)
     assert d["mas/infra_failures"] == 0.0
     if layout == "shared":
+        assert d["mas/episodes"] == TASKS  # tree sampling: one episode per task, K candidates at every node
         assert recipe_runs.gap(d) < 1e-6
         return
-    # One model per role, none listed by hand: each role's requests reached its own policy's server (K per
-    # task and turn the role acted in), and each policy's rollout samples from its own actor.
+    # One model per role, none listed by hand: each role's requests reached its own policy's server (one per
+    # episode and turn the role acted in: K independent episodes per task), and each policy's rollout samples
+    # from its own actor.
+    assert d["mas/episodes"] == K * TASKS
     for role in ROLES:
         assert d[f"policy/{role}/rollout/requests"] == round(K * TASKS * turns[role]), role
         assert recipe_runs.gap(d, role) < 1e-6, role
+
+
+def test_each_ablation_groups_as_documented_through_main_ppo(trio_run) -> None:
+    """docs/training.md, "Ablations": what each grouping puts together, on verl's batch."""
+    layout, d = trio_run
+    if RUNS[layout] == "role_only_groups":
+        # One group per (task, role) across turns: at most 3 roles x TASKS groups, each holding K candidates of
+        # every turn the role acted in (tree sampling).
+        assert d["mas/group/count"] <= len(ROLES) * TASKS
+        assert d["mas/group/size_mean"] >= K and d["mas/group/size_mean"] % K == 0
+    else:
+        # trajectory_grpo: one group per (task, role) holding the role's rows of the task's K independent
+        # episodes (rows counted here; the estimator takes its statistics over the episodes, each scored by
+        # the role's return).
+        assert d["mas/group/count"] == len(ROLES) * TASKS
+        assert d["mas/group/singleton_frac"] == 0.0

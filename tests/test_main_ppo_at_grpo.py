@@ -112,10 +112,25 @@ def test_at_grpo_trains_a_two_role_workflow_through_main_ppo(tmp_path: Path, rec
     assert max(m["data"].get("actor/grad_norm", 0.0) for m in metrics) > 0
 
 
+# at_grpo: the test above; role_only_groups and trajectory_grpo ride on the external workflow's two runs
+# (tests/test_external_workflow.py: one start-up, both claims); trajectory_grpo_success scores rows with the outcome
+# instead of the role's return, which differs from trajectory_grpo only in assign_groups
+# (tests/test_trainer_accounting.py).
+ELSEWHERE = {"at_grpo", "role_only_groups", "trajectory_grpo", "trajectory_grpo_success"}
+
+
+def test_every_documented_ablation_runs_through_main_ppo_somewhere() -> None:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("external", Path(__file__).with_name("test_external_workflow.py"))
+    external = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(external)
+    assert set(ABLATIONS) - ELSEWHERE == {"parallel_sampling"}
+    assert set(external.RUNS.values()) == ELSEWHERE - {"at_grpo", "trajectory_grpo_success"}
+
+
 @pytest.mark.slow
-# at_grpo: the test above; trajectory_grpo_success scores rows with the outcome instead of the role's return, which
-# differs from trajectory_grpo only in assign_groups (tests/test_trainer_accounting.py).
-@pytest.mark.parametrize("name", sorted(set(ABLATIONS) - {"at_grpo", "trajectory_grpo_success"}))
+@pytest.mark.parametrize("name", sorted(set(ABLATIONS) - ELSEWHERE))
 def test_every_documented_ablation_runs_through_main_ppo(tmp_path: Path, name: str, recipe_runs) -> None:
     run_dir = tmp_path / "run"
     env = {k: v for k, v in os.environ.items() if not k.startswith("VERL_")}
@@ -136,16 +151,5 @@ def test_every_documented_ablation_runs_through_main_ppo(tmp_path: Path, name: s
           f"episodes={d['mas/episodes']:.0f} success={d['mas/success_rate']:.3f} "
           f"rollout_probs_diff={recipe_runs.gap(d):.1e}")
     assert recipe_runs.gap(d) < 1e-6 and d["mas/infra_failures"] == 0.0
-    if name == "role_only_groups":
-        # One group per (task, role) across turns: relay-v0 has 2 roles, so at most 2 x 4 groups, each
-        # holding K=4 candidates of every turn the role acted in.
-        assert d["mas/episodes"] == tasks and d["mas/group/count"] <= 2 * tasks
-        assert d["mas/group/size_mean"] >= 4.0 and d["mas/group/size_mean"] % 4 == 0
-    elif name == "trajectory_grpo":
-        # One group per (task, role) holding the role's rows of the task's 4 independent episodes (rows
-        # counted here; the estimator takes its statistics over the episodes, each scored by the role's return).
-        assert d["mas/episodes"] == 4 * tasks and d["mas/group/count"] == 2 * tasks
-        assert d["mas/group/singleton_frac"] == 0.0
-    else:
-        # (task, role, turn) groups of the 4 episodes' single candidates: never more than 4 members.
-        assert d["mas/episodes"] == 4 * tasks and 1.0 <= d["mas/group/size_mean"] <= 4.0
+    # (task, role, turn) groups of the 4 episodes' single candidates: never more than 4 members.
+    assert d["mas/episodes"] == 4 * tasks and 1.0 <= d["mas/group/size_mean"] <= 4.0
