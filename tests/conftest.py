@@ -126,8 +126,9 @@ def _cost_tier(item: pytest.Item) -> int:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The longest tests first, each tier in collection order: make test's two pytest-xdist workers take them
-    in this order, and the many short tests fill in at the end instead of one long run finishing alone."""
+    """The longest tests first, each tier in collection order: make test's two pytest-xdist workers take the
+    modules in the order of their first test (--dist loadscope --no-loadscope-reorder), and the many short
+    ones fill in at the end instead of one long run finishing alone."""
     items.sort(key=_cost_tier)
 
 

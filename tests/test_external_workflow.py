@@ -43,9 +43,7 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return site
 
 
-# Each run's tests on one pytest-xdist worker (make test runs two): the run starts once, not once per worker.
-@pytest.fixture(scope="module", params=[pytest.param(layout, marks=pytest.mark.xdist_group(f"trio-{layout}"))
-                                        for layout in RUNS])
+@pytest.fixture(scope="module", params=list(RUNS))
 def trio_run(request: pytest.FixtureRequest, installed: Path, tmp_path_factory: pytest.TempPathFactory,
              recipe_runs) -> tuple[str, dict]:
     """One step of trio-v0 through main_ppo in a layout, with that layout's ablation: (layout, step metrics)."""

@@ -28,8 +28,7 @@ sys.path.insert(0, str(HELPER.parent))
 from _fsdp_helpers import run_scenario  # noqa: E402  (the scenario script; importing it defines functions only)
 
 # the scenario runs verl's FSDP2 engine in a child interpreter
-# One pytest-xdist worker runs the module (make test runs two), so its module-scoped scenario runs once.
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("fsdp-actor")]
+pytestmark = pytest.mark.slow
 
 #: What the scenario must have used, for the hand-computed expectations below.
 PROMPT_LENS = [5, 8, 3, 6]

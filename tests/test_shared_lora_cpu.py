@@ -26,8 +26,7 @@ sys.path.insert(0, str(HELPER.parent))
 from _fsdp_helpers import LR, run_scenario  # noqa: E402  (defines functions only)
 from _lora_helpers import RUNNER_CLIP, RUNNER_LR  # noqa: E402
 
-# One pytest-xdist worker runs the module (make test runs two), so its module-scoped scenario runs once.
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("shared-lora")]
+pytestmark = pytest.mark.slow
 
 ADAPTER_FLOATS = {"caller": 2816 * 4, "runner": 2816 * 2}
 #: Tensors of the base: per layer q, k, v (weight and bias each), o, gate, up, down and two RMS norms (12),
