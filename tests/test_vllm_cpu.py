@@ -84,9 +84,6 @@ def test_verl_sees_the_cpu_vllm_and_the_plugin_keeps_linear_weights_for_weight_s
     assert diff < 1e-4, out
 
 
-#: Where the CPU recipes build their tiny model for cpu_rollout=vllm: hidden 128 over 4 heads, head size 32 (vLLM's
-#: CPU attention refuses the default tiny model's 16; tests/test_vllm_support.py checks the recipes' choice).
-VLLM_MODEL = "model-h128"
 #: Bytes of one full weight sync of the recipe's model for vLLM with relay-v0's vocabulary (82 tokens), in fp32: the
 #: state dict, tied lm_head included. Per layer (hidden 128, 4 heads, 2 KV heads of 32, MLP 256): q 128*128+128 =
 #: 16,512, k and v 128*64+64 = 8,256 each, o 16,384, gate/up/down 3*128*256 = 98,304, two norms 256 -> 147,968;
@@ -107,7 +104,7 @@ def test_the_head_sizes_checked_at_start_up_are_the_ones_vllms_cpu_attention_ser
 def test_grpo_main_ppo_on_vllm_samples_from_the_synced_weights_and_a_frozen_rollout_is_caught(tmp_path: Path,
                                                                                               recipe_runs) -> None:
     for name in ("synced", "frozen"):
-        (tmp_path / name).mkdir()  # the recipe builds the model vLLM can serve (VLLM_MODEL)
+        (tmp_path / name).mkdir()  # the recipe builds model-h128, which vLLM serves (head size 32)
     proc, metrics = recipe_runs.run(SMOKE, tmp_path / "synced", *VLLM, python=_vllm_python(), steps=2)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     gaps = [m["data"]["training/rollout_probs_diff_mean"] for m in metrics]
@@ -152,7 +149,7 @@ def _two_policy_run(recipe_runs, tmp_path: Path, tag: str, *overrides: str, sync
     then one per step), and a zero runner gradient.
     """
     run_dir = tmp_path / "run"
-    run_dir.mkdir()  # the recipe builds the model vLLM can serve (VLLM_MODEL): hidden 128, relay-v0's vocabulary
+    run_dir.mkdir()  # the recipe builds model-h128, which vLLM serves (head size 32), relay-v0's vocabulary
     proc, metrics = recipe_runs.run(
         REPO / "recipes" / "at_grpo_cpu" / "run.sh", run_dir, *recipe_runs.relay_shape, *VLLM, f"data.train_batch_size={TASKS}",
         "mas.alpha=0",
@@ -292,7 +289,7 @@ def test_a_weight_sync_the_vllm_side_fails_stops_the_run_with_the_cause(tmp_path
     exit non-zero within the test's timeout, naming the cause and the fix.
     """
     run_dir = tmp_path / "broken"
-    run_dir.mkdir()  # the recipe builds the model vLLM can serve (VLLM_MODEL): hidden 128
+    run_dir.mkdir()  # the recipe builds model-h128, which vLLM serves (head size 32)
     proc, metrics = recipe_runs.run(SMOKE, run_dir, *VLLM, python=_vllm_python(), steps=1, VLLM_PLUGINS="none")
     log = proc.stdout + proc.stderr
     assert proc.returncode != 0, log[-3000:]
@@ -453,7 +450,7 @@ def test_one_resident_base_with_an_adapter_per_role_on_vllm_serves_each_role_its
     # after the first one where the caller had signal (a non-zero gradient; with a random tiny model that step
     # may come late), its requests, answered by the runner's zero adapter, show a gap far above the synced one.
     swapped_dir = tmp_path / "swapped"
-    swapped_dir.mkdir()  # the recipe builds the model vLLM can serve (VLLM_MODEL)
+    swapped_dir.mkdir()  # the recipe builds model-h128, which vLLM serves (head size 32)
     proc, metrics = recipe_runs.run(
         REPO / "recipes" / "at_grpo_cpu" / "run.sh", swapped_dir, *recipe_runs.relay_shape, *VLLM,
         f"data.train_batch_size={TASKS}", "mas.alpha=0", "mas_policies=per_role_lora",
