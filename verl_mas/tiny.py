@@ -61,7 +61,7 @@ CHAT_TEMPLATE = (
 #: The chat layout of a task-tailored tokenizer: each message's content on a line of its own, no role markers.
 #: A tiny model trained from scratch on one task needs no chat structure, and every prompt position it must
 #: learn to attend past slows learning: relay-v0's prompts are 3 tokens instead of ChatML's 10, and its
-#: quickstart learns the task in about half the steps (``bench/bench_relay_learnability.py --chat chatml``).
+#: quickstart learns the task in about half the steps (``bench/bench_learnability.py --chat chatml``).
 #: The answer's position follows a newline, never the prompt's last word, so a random model does not copy it.
 COMPACT_CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] + '\n' }}{% endfor %}"
 

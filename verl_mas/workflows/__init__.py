@@ -20,6 +20,8 @@ BUILTIN_WORKFLOWS: dict[str, str] = {
     "sokoban-single-v0": "verl_mas.workflows.sokoban:SokobanSingleWorkflow",
     "plan-path-v0": "verl_mas.workflows.plan_path:PlanPathWorkflow",
     "plan-path-single-v0": "verl_mas.workflows.plan_path:PlanPathSingleWorkflow",
+    "gridwalk-v0": "verl_mas.workflows.gridwalk:GridwalkWorkflow",
+    "gridwalk-single-v0": "verl_mas.workflows.gridwalk:GridwalkSingleWorkflow",
     "code-v0": "verl_mas.workflows.code:CodeWorkflow",
     "code-single-v0": "verl_mas.workflows.code:CodeSingleWorkflow",
     "math-v0": "verl_mas.workflows.math_tool:MathWorkflow",

@@ -100,7 +100,7 @@ class RelayWorkflow(Workflow):
 
     Two reward terms that look natural are left out on purpose; with either, the shared tiny model
     collapsed to answering one fixed word everywhere within 20-40 steps (every group then has zero
-    variance and learning stops; see ``bench/bench_relay_learnability.py``):
+    variance and learning stops; see ``bench/bench_learnability.py``):
 
     - a format bonus for answering with *some* action word: GRPO normalises rewards within a group,
       so in a group where no candidate is right the bonus is as strong as the task reward, and it

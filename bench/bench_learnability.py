@@ -1,18 +1,21 @@
-"""Learnability diagnostic of ``relay-v0``: AT-GRPO on the tiny model, in-process, without verl.
+"""Learnability diagnostic of a workflow with a tailored vocabulary (``relay-v0``, ``gridwalk-v0``): AT-GRPO on
+the tiny model, in-process, without verl.
 
 It approximates what the verl quickstart does: the tiny Qwen2 model (2 layers, hidden 64) with the
-tokenizer tailored to ``RelayWorkflow.vocabulary``, episodes run by the real engine (tree sampling, K
+tokenizer tailored to the workflow's ``vocabulary``, episodes run by the real engine (tree sampling, K
 candidates per (task, role, turn), commit the best), group-normalised advantages per group key, and a
 PPO-clip policy-gradient update (token-mean) on every trainable candidate. Sampling is plain
 temperature-1 sampling from the same model whose log-probs are trained (on-policy).
 
 Prints, per step, the team success rate of the training episodes (what verl reports as
 ``mas/success_rate``), the mean reward per role and the wall time; every ``--eval-every`` steps, the
-success of single-sample (K = 1) episodes on the test tasks, where no best-of-K selection helps.
+success of single-sample (K = 1) episodes on the test tasks, where no best-of-K selection helps, sampled at
+temperature 1 and greedy.
 
 Usage::
 
-    python bench/bench_relay_learnability.py [--steps 150 --batch 16 --k 4 --lr 3e-3 --seed 0 --chat compact]
+    python bench/bench_learnability.py [--workflow relay-v0 --steps 150 --batch 16 --k 4 --lr 3e-3 --seed 0]
+    python bench/bench_learnability.py --workflow gridwalk-v0 --turns 6 --train 256 --test 64
 """
 
 from __future__ import annotations
@@ -28,10 +31,9 @@ from typing import Any
 
 import torch
 
-from verl_mas import EpisodeConfig, Sample, run_episode
+from verl_mas import EpisodeConfig, Sample, get_workflow, run_episode
 from verl_mas.data import read_tasks, write_dataset
 from verl_mas.tiny import CHAT_TEMPLATE, build_model, build_tokenizer
-from verl_mas.workflows.relay import RelayWorkflow
 
 
 class TorchSampler:
@@ -42,6 +44,8 @@ class TorchSampler:
         self.tokenizer = tokenizer
         self.max_new_tokens = max_new_tokens
         self.generator = generator
+        #: Greedy decoding (evaluation) instead of temperature-1 sampling.
+        self.greedy = False
 
     @torch.no_grad()
     def _sample(self, prompt_ids: list[int], n: int) -> list[Sample]:
@@ -56,7 +60,10 @@ class TorchSampler:
             res = self.model(input_ids=step_ids, past_key_values=past, use_cache=True)
             past = res.past_key_values
             logp = torch.log_softmax(res.logits[:, -1].float(), dim=-1)
-            tok = torch.multinomial(logp.exp(), 1, generator=self.generator)  # (n, 1)
+            if self.greedy:
+                tok = logp.argmax(-1, keepdim=True)  # (n, 1)
+            else:
+                tok = torch.multinomial(logp.exp(), 1, generator=self.generator)  # (n, 1)
             for i in range(n):
                 if not done[i]:
                     t = int(tok[i, 0])
@@ -73,12 +80,12 @@ class TorchSampler:
 
 
 async def play(
-    tasks: list[dict[str, Any]], client: TorchSampler, tokenizer: Any, config: EpisodeConfig, seed: int
+    workflow: type, tasks: list[dict[str, Any]], client: TorchSampler, tokenizer: Any, config: EpisodeConfig, seed: int
 ) -> list[Any]:
     return list(
         await asyncio.gather(
             *(
-                run_episode(RelayWorkflow, task, client=client, tokenizer=tokenizer, config=config,
+                run_episode(workflow, task, client=client, tokenizer=tokenizer, config=config,
                             seed=seed * 1000 + i, task_uid=f"s{seed}t{i}")
                 for i, task in enumerate(tasks)
             )
@@ -136,6 +143,9 @@ def update(model: Any, optim: torch.optim.Optimizer, candidates: list[Any], adv:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workflow", default="relay-v0", help="a workflow id whose class declares a vocabulary")
+    parser.add_argument("--train", type=int, default=64, help="training tasks")
+    parser.add_argument("--test", type=int, default=16, help="held-out tasks")
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--batch", type=int, default=16, help="tasks per step")
     parser.add_argument("--k", type=int, default=4, help="candidates per group")
@@ -153,9 +163,11 @@ def main() -> None:
     random.seed(args.seed)
 
     with tempfile.TemporaryDirectory() as tmp:
-        train_path, test_path = write_dataset("relay-v0", tmp, train=64, test=16, seed=args.seed)
+        train_path, test_path = write_dataset(args.workflow, tmp, train=args.train, test=args.test, seed=args.seed)
         train_tasks, test_tasks = read_tasks(train_path), read_tasks(test_path)
-    tokenizer = build_tokenizer(vocab=RelayWorkflow.vocabulary, chat_template=CHAT_TEMPLATE if args.chat == "chatml" else None)
+    workflow = get_workflow(args.workflow)
+    tokenizer = build_tokenizer(vocab=workflow.vocabulary,
+                                chat_template=CHAT_TEMPLATE if args.chat == "chatml" else None)
     model = build_model(tokenizer, seed=args.seed)
     optim = torch.optim.Adam(model.parameters(), lr=args.lr)
     gen = torch.Generator().manual_seed(args.seed)
@@ -167,9 +179,14 @@ def main() -> None:
 
     def evaluate(step: int) -> None:
         model.eval()
-        eps = asyncio.run(play(test_tasks, client, tokenizer, eval_config, seed=10_000 + step))
+        sampled = asyncio.run(play(workflow, test_tasks, client, tokenizer, eval_config, seed=10_000 + step))
+        client.greedy = True
+        greedy = asyncio.run(play(workflow, test_tasks, client, tokenizer, eval_config, seed=10_000 + step))
+        client.greedy = False
         model.train()
-        print(f"  eval step {step:3d}: K=1 test success {statistics.fmean(e.metrics['mas/success'] for e in eps):.2f}")
+        rate = {name: statistics.fmean(e.metrics["mas/success"] for e in eps) for name, eps in
+                (("sampled", sampled), ("greedy", greedy))}
+        print(f"  eval step {step:3d}: K=1 test success, sampled {rate['sampled']:.2f} greedy {rate['greedy']:.2f}")
 
     rng = random.Random(args.seed)
     start = time.perf_counter()
@@ -178,21 +195,21 @@ def main() -> None:
     for step in range(1, args.steps + 1):
         batch = rng.sample(train_tasks, args.batch)
         model.eval()
-        episodes = asyncio.run(play(batch, client, tokenizer, config, seed=step))
+        episodes = asyncio.run(play(workflow, batch, client, tokenizer, config, seed=step))
         model.train()
         cands = [c for e in episodes for c in e.trainable()]
         adv = advantages(cands)
         loss = update(model, optim, cands, adv, tokenizer.pad_token_id, args.minibatches)
         success = statistics.fmean(e.metrics["mas/success"] for e in episodes)
         by_role = {
-            role: statistics.fmean(c.reward for c in cands if c.role == role) for role in RelayWorkflow.roles
+            role: statistics.fmean([c.reward for c in cands if c.role == role] or [0.0]) for role in workflow.roles
         }
         zero_std = statistics.fmean(
             len({c.reward for c in g.all}) == 1 for e in episodes for g in e.groups
         )
         elapsed = time.perf_counter() - start
         history.append((success, elapsed))
-        print(f"step {step:3d}  success {success:.2f}  caller {by_role['caller']:.2f}  runner {by_role['runner']:.2f}  "
+        print(f"step {step:3d}  success {success:.2f}  " + "  ".join(f"{r} {v:.2f}" for r, v in by_role.items()) + "  "
               f"zero-std groups {zero_std:.2f}  loss {loss:+.3f}  {elapsed:6.1f}s", flush=True)
         if step % args.eval_every == 0:
             evaluate(step)
