@@ -1,39 +1,40 @@
-"""Benchmark: held-out learning on the CPU quickstart, AT-GRPO vs trajectory-level GRPO vs parallel sampling.
+"""Benchmark: the paper's comparisons, measured on held-out tasks through verl's ``main_ppo`` on CPU.
 
-Every configuration runs the quickstart recipe (``recipes/at_grpo_cpu``, its settings as ``make demo`` runs
-them) through verl's ``main_ppo`` for the same number of steps, with the same number of samples per task
-(K candidates per node, or K independent episodes per task; :func:`verl_mas.config.ablation`), for several
-seeds (the seed sets the tiny model's initialisation, the data order and the rollout's sampling):
+Every configuration runs a CPU recipe for the same number of steps with the same samples per task and node,
+for several seeds (the seed sets the tiny model's initialisation, the data order and the rollout's sampling):
 
 - ``at_grpo``: tree sampling (K candidates per (task, role, turn), best committed) + agent_turn groups;
 - ``traj_grpo``: K independent episodes per task, each role's return in an episode (its per-turn team and local
   rewards summed: the same reward signal AT-GRPO normalises per turn) normalised over the task's K episodes, one
   advantage per (episode, role) broadcast to its rows (classic GRPO with AT-GRPO's rewards);
-- ``traj_grpo_success`` (not run by default): the same with the episode's binary team outcome as every row's
-  score (``mas.trajectory_reward=success``): sparser than AT-GRPO's rewards, so a gap to it mixes reward
-  density with grouping;
-- ``parallel``: K independent episodes per task with (task, role, turn) groups (the paper's ablation: after
-  the first turn the K members of a group no longer share a prompt);
-- ``at_grpo_all_rows`` (not run by default): AT-GRPO with ``mas.drop_zero_variance=false``, every row through
-  the log-probs and the update: the measurement behind the recipe's default (mean step time and its parts are
-  printed per run).
+- ``traj_grpo_success`` (not run by default): the same with the episode's binary team outcome as every row's score;
+- ``parallel``: K independent episodes per task with (task, role, turn) groups (the paper's ablation: after the
+  first turn the K members of a group no longer share a prompt: on gridwalk-v0 the walkers stand elsewhere);
+- ``at_grpo_all_rows`` (not run by default): AT-GRPO with ``mas.drop_zero_variance=false``;
+- ``together`` (gridwalk-v0): AT-GRPO with one model per role (``mas_policies=per_role_models``), both trained; its
+  two trained models are also evaluated **swapped** between the roles (the paper's specialisation check);
+- ``alone`` (gridwalk-v0): each role trained with its partner frozen at initialisation (the same per-role run with
+  the partner's learning rate 0, so its samples, rewards and updates are as in ``together``), then the two trained
+  roles combined: the scout of the scout's run with the walker of the walker's run;
+- ``single`` (gridwalk-v0): ``gridwalk-single-v0`` (one walker that sees what both roles see) with GRPO (2K
+  independent episodes per task, trajectory groups: the team's 2 roles x K samples per turn).
 
-What is compared is held-out team success: verl's validation on the test tasks before training and after
-the last step, one candidate per node (``mas.val_branching=1``), greedy (``acc_greedy``) and sampled at the
-training temperature (``val-core/<source>/acc/mean@n``; the recipe's ``val_kwargs``). Training success (the
-mean of the last 5 steps) is printed too, but it is not comparable across configurations: tree sampling
-commits the best of K at every node, parallel sampling commits its only sample.
+Held-out team success, before training and after the last step, one candidate per node: greedy and sampled at the
+training temperature. Single-run configurations read verl's validation (``acc_greedy``, ``acc/mean@4``);
+``together``, ``swapped`` and ``alone`` are measured with ``python -m verl_mas.evaluate`` on the same test split
+(greedy, and the mean of 4 sampled passes), from the checkpoints of the last step.
 
-The script prints one line per run, then per configuration the mean +- std (over seeds) of held-out greedy
-and sampled success after training, and for each baseline the paired difference (AT-GRPO minus the
-baseline, same seed) per seed, their mean, and whether AT-GRPO is above the baseline by more than the spread
-across seeds (the larger of the two configurations' std).
+Prints one line per run, then per configuration the mean +- std over seeds, and for each comparison the paired
+difference per seed, its mean, and whether the first configuration is above the second by more than the spread
+across seeds (the larger of the two std).
 
-Usage (a run takes about as long as ``make demo``: 9 runs by default, seeds in the outer loop)::
+Usage::
 
-    python bench/bench_learning.py [--steps 40] [--seeds 0 1 2] [--configs at_grpo traj_grpo parallel] [--k 8]
+    python bench/bench_learning.py                           # relay-v0: at_grpo traj_grpo parallel, 40 steps, 3 seeds
+    python bench/bench_learning.py --workflow gridwalk-v0     # every comparison, 100 steps, 3 seeds
+    python bench/bench_learning.py --workflow gridwalk-v0 --configs at_grpo parallel --seeds 0 --steps 50
 
-Measured figures: ``recipes/at_grpo_cpu/README.md`` ("Held-out comparison").
+Measured figures: ``recipes/at_grpo_cpu/README.md`` (relay-v0), ``docs/algorithm.md`` (gridwalk-v0).
 """
 
 from __future__ import annotations
@@ -52,37 +53,45 @@ from verl_mas.config import ablation
 from verl_mas.report import held_out, load_metrics
 
 REPO = Path(__file__).resolve().parents[1]
-RECIPE = REPO / "recipes" / "at_grpo_cpu" / "run.sh"
 
-#: bench name -> (verl_mas.config.ABLATIONS name, further overrides). ``at_grpo_all_rows`` is AT-GRPO with
-#: ``mas.drop_zero_variance=false``: every row, zero-variance groups included, goes through log-probs and update.
-CONFIGS = {
+#: Per workflow: its recipe, roles, the single-agent variant (if any), steps, K, turns and answer tokens.
+WORKFLOWS = {
+    "relay-v0": {"recipe": REPO / "recipes" / "at_grpo_cpu" / "run.sh", "roles": ("caller", "runner"),
+                 "single": None, "steps": 40, "k": 8, "turns": 4, "tokens": 3,
+                 "configs": ("at_grpo", "traj_grpo", "parallel")},
+    "gridwalk-v0": {"recipe": REPO / "recipes" / "gridwalk_cpu" / "run.sh", "roles": ("scout", "walker"),
+                    "single": "gridwalk-single-v0", "steps": 100, "k": 8, "turns": 6, "tokens": 1,
+                    "configs": ("at_grpo", "traj_grpo", "parallel", "together", "alone", "single")},
+}
+#: bench name -> (verl_mas.config.ABLATIONS name, further overrides) for the single-run configurations.
+ABLATION_CONFIGS = {
     "at_grpo": ("at_grpo", ()),
     "traj_grpo": ("trajectory_grpo", ()),
     "traj_grpo_success": ("trajectory_grpo_success", ()),
     "parallel": ("parallel_sampling", ()),
     "at_grpo_all_rows": ("at_grpo", ("mas.drop_zero_variance=false",)),
 }
-DEFAULT_CONFIGS = ("at_grpo", "traj_grpo", "parallel")
+TEAM_CONFIGS = ("together", "alone", "single")
+#: (first, second): the comparisons printed, first minus second per seed.
+COMPARISONS = (("at_grpo", "traj_grpo"), ("at_grpo", "parallel"), ("at_grpo", "traj_grpo_success"),
+               ("together", "alone"), ("together", "swapped"), ("at_grpo", "single"))
+SAMPLED_PASSES = 4
 
 
-def run_one(name: str, seed: int, steps: int, k: int, work: Path) -> tuple[list[dict], float]:
-    run_dir = work / f"{name}-seed{seed}"
+def _run(recipe: Path, run_dir: Path, seed: int, overrides: list[str], **env_extra: str) -> tuple[list[dict], float]:
     env = {key: v for key, v in os.environ.items() if not key.startswith("VERL_")}
-    env.update(PYTHON=sys.executable, VERL_MAS_RUN_DIR=str(run_dir), MODEL_SEED=str(seed))
-    ablation_name, extra = CONFIGS[name]
-    overrides = [*ablation(ablation_name, k), *extra, f"trainer.total_training_steps={steps}", f"trainer.test_freq={steps}",
-                 "trainer.val_before_train=true", f"data.seed={seed}", f"actor_rollout_ref.actor.data_loader_seed={seed}",
-                 f"actor_rollout_ref.rollout.seed={seed}", f"trainer.experiment_name={name}-seed{seed}",
-                 "mas.record.dir=null"]
+    env.update(PYTHON=sys.executable, VERL_MAS_RUN_DIR=str(run_dir), MODEL_SEED=str(seed), **env_extra)
+    seeded = ["trainer.val_before_train=true", f"data.seed={seed}", f"actor_rollout_ref.actor.data_loader_seed={seed}",
+              f"actor_rollout_ref.rollout.seed={seed}", "mas.record.dir=null"]
     start = time.perf_counter()
-    proc = subprocess.run(["bash", str(RECIPE), *overrides], env=env, capture_output=True, text=True, cwd=work)
+    proc = subprocess.run(["bash", str(recipe), *seeded, *overrides], env=env, capture_output=True, text=True,
+                          cwd=run_dir.parent)
     if proc.returncode != 0:
-        raise RuntimeError(f"{name} seed {seed} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+        raise RuntimeError(f"{run_dir.name} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
     return load_metrics(run_dir / "metrics.jsonl"), time.perf_counter() - start
 
 
-def summary(rows: list[dict]) -> dict[str, float]:
+def validation(rows: list[dict]) -> dict[str, float]:
     """Held-out greedy/sampled success at the first and last validation, and training success at the end."""
     series = held_out(rows)
     greedy = next((v for label, v in series.items() if label.endswith(" greedy")), None)
@@ -91,11 +100,81 @@ def summary(rows: list[dict]) -> dict[str, float]:
         raise RuntimeError(f"the run logged held-out series {list(series)} with {[len(v) for v in series.values()]} "
                            "validations; it needs greedy and sampled success before and after training")
     steps = [r for r in rows if "mas/success_rate" in r]
-    train = [r["mas/success_rate"] for r in steps]
     return {"greedy@0": greedy[0][1], "greedy@end": greedy[-1][1], "sampled@0": sampled[0][1],
-            "sampled@end": sampled[-1][1], "train end": statistics.fmean(train[-5:]),
-            **{f"{phase} s": statistics.fmean(r.get(f"timing_s/{phase}", 0.0) for r in steps)
-               for phase in ("step", "gen", "old_log_prob", "update_actor")}}
+            "sampled@end": sampled[-1][1], "train end": statistics.fmean(r["mas/success_rate"] for r in steps[-5:]),
+            "step s": statistics.fmean(r.get("timing_s/step", 0.0) for r in steps)}
+
+
+def evaluate(test: Path, roles: dict[str, Path], spec: dict, work: Path) -> dict[str, float]:
+    """Held-out success of the models ``roles`` names, by ``python -m verl_mas.evaluate``: greedy, and the mean of
+    :data:`SAMPLED_PASSES` passes sampled at temperature 1."""
+    def one(temperature: float, seed: int) -> float:
+        out = work / f"eval-{time.monotonic_ns()}.json"
+        cmd = [sys.executable, "-m", "verl_mas.evaluate", "--data", str(test), "--max-turns", str(spec["turns"]),
+               "--max-tokens", str(spec["tokens"]), "--temperature", str(temperature), "--seed", str(seed),
+               "--json", str(out), *(a for role, path in roles.items() for a in ("--role", f"{role}={path}"))]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"evaluate {roles} failed:\n{proc.stderr[-3000:]}")
+        return float(json.loads(out.read_text())["success_rate"])
+
+    return {"greedy@end": one(0.0, 0),
+            "sampled@end": statistics.fmean(one(1.0, s) for s in range(SAMPLED_PASSES))}
+
+
+def _hf(run_dir: Path, steps: int, position: int, role: str) -> Path:
+    """A per-role run's saved transformers model of ``role`` (``actor/`` for the first role, ``actor_<role>/``)."""
+    folder = "actor" if position == 0 else f"actor_{role}"
+    return run_dir / "checkpoints" / f"global_step_{steps}" / folder / "huggingface"
+
+
+def run_seed(workflow: str, configs: list[str], seed: int, steps: int, k: int, work: Path,
+             report) -> dict[str, dict[str, float]]:
+    spec = WORKFLOWS[workflow]
+    recipe, roles = spec["recipe"], spec["roles"]
+    base = [f"trainer.total_training_steps={steps}", f"trainer.test_freq={steps}"]
+    save = ["mas_policies=per_role_models", f"trainer.save_freq={steps}",
+            "actor_rollout_ref.actor.checkpoint.save_contents=[model,optimizer,extra,hf_model]"]
+    out: dict[str, dict[str, float]] = {}
+    for name in configs:
+        if name in ABLATION_CONFIGS:
+            ablation_name, extra = ABLATION_CONFIGS[name]
+            rows, wall = _run(recipe, work / f"{name}-seed{seed}", seed, [*base, *ablation(ablation_name, k), *extra,
+                              f"trainer.experiment_name={name}-seed{seed}"], WORKFLOW=workflow)
+            out[name] = validation(rows)
+            report(name, seed, out[name], wall)
+        elif name == "together":
+            run_dir = work / f"together-seed{seed}"
+            rows, wall = _run(recipe, run_dir, seed, [*base, *ablation("at_grpo", k), *save,
+                              f"trainer.experiment_name=together-seed{seed}"], WORKFLOW=workflow)
+            models = {role: _hf(run_dir, steps, i, role) for i, role in enumerate(roles)}
+            test = run_dir / "data" / "test.parquet"
+            out["together"] = {**validation(rows), **evaluate(test, models, spec, work)}
+            report("together", seed, out["together"], wall)
+            swapped = dict(zip(roles, reversed(list(models.values())), strict=True))
+            out["swapped"] = evaluate(test, swapped, spec, work)
+            report("swapped", seed, out["swapped"], 0.0)
+        elif name == "alone":
+            models, wall = {}, 0.0
+            for i, role in enumerate(roles):
+                run_dir = work / f"alone-{role}-seed{seed}"
+                frozen = [f"+mas.policies.{other}.actor.optim.lr=0.0" for other in roles if other != role]
+                rows, w = _run(recipe, run_dir, seed, [*base, *ablation("at_grpo", k), *save, *frozen,
+                               f"trainer.experiment_name=alone-{role}-seed{seed}"], WORKFLOW=workflow)
+                wall += w
+                models[role] = _hf(run_dir, steps, i, role)
+                report(f"{role} alone", seed, validation(rows), w)
+            out["alone"] = evaluate(work / f"alone-{roles[0]}-seed{seed}" / "data" / "test.parquet", models, spec, work)
+            report("alone", seed, out["alone"], wall)
+        elif name == "single":
+            if not spec["single"]:
+                raise SystemExit(f"{workflow} has no single-agent variant")
+            # GRPO on one agent: 2K independent episodes per task (the team samples K per role and turn).
+            rows, wall = _run(recipe, work / f"single-seed{seed}", seed, [*base, *ablation("trajectory_grpo", 2 * k),
+                              f"trainer.experiment_name=single-seed{seed}"], WORKFLOW=spec["single"])
+            out["single"] = validation(rows)
+            report("single", seed, out["single"], wall)
+    return out
 
 
 def _mean_std(values: list[float]) -> tuple[float, float]:
@@ -104,42 +183,57 @@ def _mean_std(values: list[float]) -> tuple[float, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--workflow", default="relay-v0", choices=list(WORKFLOWS))
+    parser.add_argument("--steps", type=int, default=None, help="default: the workflow's (relay-v0 40, gridwalk-v0 100)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--configs", nargs="+", default=list(DEFAULT_CONFIGS), choices=list(CONFIGS))
-    parser.add_argument("--k", type=int, default=8, help="samples per task and node (the quickstart's mas.branching)")
+    parser.add_argument("--configs", nargs="+", default=None, choices=[*ABLATION_CONFIGS, *TEAM_CONFIGS],
+                        help="default: the workflow's")
+    parser.add_argument("--k", type=int, default=None, help="samples per task and node (default: the workflow's, 8)")
     args = parser.parse_args()
+    spec = WORKFLOWS[args.workflow]
+    steps, k, configs = args.steps or spec["steps"], args.k or spec["k"], args.configs or list(spec["configs"])
 
     work = Path(tempfile.mkdtemp(prefix="verl_mas_bench_learning_"))
-    print(f"quickstart recipe, {args.steps} steps, K={args.k}, seeds {args.seeds}; runs in {work}", flush=True)
-    columns = ("greedy@0", "greedy@end", "sampled@0", "sampled@end", "train end", "step s", "gen s", "old_log_prob s",
-               "update_actor s")
-    print(f"{'config':>10} | {'seed':>4} | " + " | ".join(f"{c:>11}" for c in columns) + " |   wall", flush=True)
-    results: dict[str, dict[int, dict[str, float]]] = {name: {} for name in args.configs}
+    print(f"{args.workflow}, {spec['recipe'].parent.name} recipe, {steps} steps, K={k}, seeds {args.seeds}; "
+          f"runs in {work}", flush=True)
+    if args.workflow == "gridwalk-v0":
+        from verl_mas.data import draw_splits
+        from verl_mas.workflows.gridwalk import prompt_overlap
+
+        splits = draw_splits(args.workflow, 256, 64, seed=0)  # what the recipe writes (TRAIN_TASKS, TEST_TASKS)
+        n_train, n_test, shared = prompt_overlap(*([json.loads(t) for t in splits[s]] for s in ("train", "test")))
+        print(f"held-out prompts: {n_test} a held-out level can render, {n_train} a training level can; shared: "
+              f"{shared}", flush=True)
+    columns = ("greedy@0", "greedy@end", "sampled@0", "sampled@end", "train end", "step s")
+    print(f"{'config':>14} | {'seed':>4} | " + " | ".join(f"{c:>11}" for c in columns) + " |   wall", flush=True)
+
+    def report(name: str, seed: int, figures: dict[str, float], wall: float) -> None:
+        cells = " | ".join(f"{figures[c]:>11.3f}" if c in figures else f"{'-':>11}" for c in columns)
+        print(f"{name:>14} | {seed:>4} | {cells} | {wall:>5.0f}s", flush=True)
+
+    results: dict[str, dict[int, dict[str, float]]] = {}
     for seed in args.seeds:
-        for name in args.configs:
-            rows, wall = run_one(name, seed, args.steps, args.k, work)
-            results[name][seed] = figures = summary(rows)
-            print(f"{name:>10} | {seed:>4} | " + " | ".join(f"{figures[c]:>11.3f}" for c in columns)
-                  + f" | {wall:>5.0f}s", flush=True)
+        for name, figures in run_seed(args.workflow, configs, seed, steps, k, work, report).items():
+            results.setdefault(name, {})[seed] = figures
     print("\nheld-out success after training, mean +- std over seeds:")
     for name, by_seed in results.items():
-        parts = [f"{c} {m:.3f} +- {s:.3f}" for c in ("greedy@end", "sampled@end", "train end", "step s")
+        parts = [f"{c} {m:.3f} +- {s:.3f}" for c in ("greedy@end", "sampled@end")
                  for m, s in [_mean_std([f[c] for f in by_seed.values()])]]
-        print(f"{name:>10} ({len(by_seed)} seeds): " + ", ".join(parts))
-    base = results.get("at_grpo", {})
-    for name, by_seed in results.items():
-        if name == "at_grpo" or not base:
+        print(f"{name:>14} ({len(by_seed)} seeds): " + ", ".join(parts))
+    for first, second in COMPARISONS:
+        if first not in results or second not in results:
             continue
-        seeds = sorted(set(base) & set(by_seed))
+        seeds = sorted(set(results[first]) & set(results[second]))
         for column in ("greedy@end", "sampled@end"):
-            diffs = [base[s][column] - by_seed[s][column] for s in seeds]
-            spread = max(_mean_std([base[s][column] for s in seeds])[1], _mean_std([by_seed[s][column] for s in seeds])[1])
+            diffs = [results[first][s][column] - results[second][s][column] for s in seeds]
+            spread = max(_mean_std([results[first][s][column] for s in seeds])[1],
+                         _mean_std([results[second][s][column] for s in seeds])[1])
             mean = statistics.fmean(diffs)
             verdict = "yes" if mean > spread and min(diffs) > 0 else "no"
-            print(f"at_grpo - {name} ({column}): per seed " + " ".join(f"{d:+.3f}" for d in diffs)
+            print(f"{first} - {second} ({column}): per seed " + " ".join(f"{d:+.3f}" for d in diffs)
                   + f"; mean {mean:+.3f}; spread across seeds {spread:.3f}; above by more than the spread: {verdict}")
     (work / "results.json").write_text(json.dumps(results, indent=1))
+    print(f"results: {work / 'results.json'}")
 
 
 if __name__ == "__main__":

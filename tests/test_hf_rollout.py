@@ -130,10 +130,24 @@ def test_weight_updates_change_generation_and_unknown_names_fail(tiny_model_dir:
     assert after.log_probs != before.log_probs
     with pytest.raises(ValueError, match="does not have"):
         engine.load_weights([("model.not_a_layer.weight", torch.zeros(1))])
-    # The diagnostic switch really freezes the rollout (the negative control of the sync check uses it).
-    engine.frozen = True
-    engine.load_weights([(k, torch.zeros_like(v)) for k, v in perturbed.items()])
-    assert engine.generate_sync(PROMPTS[0], greedy).token_ids == after.token_ids
+    # The diagnostic switch (the negative control of the sync check) loads the updates it allows, then really
+    # freezes the rollout: after:N counts the updates loaded so far (1 here).
+    engine.freeze_after = engine.num_weight_updates + 1
+    again = {k: v + 0.5 * torch.randn_like(v) for k, v in perturbed.items()}
+    assert engine.load_weights(again.items()) == len(again) and engine.frozen
+    moved = engine.generate_sync(PROMPTS[0], greedy)
+    assert moved.log_probs != after.log_probs
+    assert engine.load_weights([(k, torch.zeros_like(v)) for k, v in perturbed.items()]) == 0
+    assert engine.generate_sync(PROMPTS[0], greedy).log_probs == moved.log_probs
+
+
+def test_the_freeze_diagnostic_reads_every_setting_and_refuses_a_typo() -> None:
+    from verl_mas.backends.hf import freeze_after
+
+    assert [freeze_after(v) for v in (None, "", "0", "1", "yes", "after:2", " AFTER:10 ")] == [None, None, None, 0, 0,
+                                                                                                2, 10]
+    with pytest.raises(ValueError, match="after:N"):
+        freeze_after("after2")
 
 
 async def test_concurrent_requests_get_exactly_their_sequential_answers(engine: HFGenerationEngine) -> None:

@@ -132,13 +132,16 @@ def test_every_documented_ablation_runs_through_main_ppo_somewhere() -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(set(ABLATIONS) - ELSEWHERE))
 def test_every_documented_ablation_runs_through_main_ppo(tmp_path: Path, name: str, recipe_runs) -> None:
+    """The ablation on gridwalk-v0 (its recipe, recipes/gridwalk_cpu: the paper's comparisons are measured on it),
+    which is also gridwalk's run through main_ppo: a step of its episodes, metrics and the recipe's settings."""
     run_dir = tmp_path / "run"
     env = {k: v for k, v in os.environ.items() if not k.startswith("VERL_")}
     env.update(PYTHON=sys.executable, VERL_MAS_RUN_DIR=str(run_dir), TRAIN_TASKS="16", TEST_TASKS="4")
     tasks = 4
     proc = subprocess.run(
-        ["bash", str(RECIPE), "trainer.total_training_steps=1", f"data.train_batch_size={tasks}",
-         "actor_rollout_ref.actor.ppo_mini_batch_size=4", "trainer.val_before_train=false", "trainer.test_freq=-1",
+        ["bash", str(REPO / "recipes" / "gridwalk_cpu" / "run.sh"), "trainer.total_training_steps=1",
+         f"data.train_batch_size={tasks}", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+         "trainer.val_before_train=false", "trainer.test_freq=-1",
          # every row through log-probs: a step whose groups are all flat still checks the rollout-vs-actor gap
          "mas.drop_zero_variance=false", *ABLATIONS[name]],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1500,
@@ -146,10 +149,19 @@ def test_every_documented_ablation_runs_through_main_ppo(tmp_path: Path, name: s
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-5000:]
     (m,) = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     d = m["data"]
-    print(f"[main-ppo-ablation] {name}: groups={d['mas/group/count']:.0f} size={d['mas/group/size_mean']:.2f} "
-          f"singletons={d['mas/group/singleton_frac']:.2f} zero_std={d['mas/group/zero_std_frac']:.2f} "
-          f"episodes={d['mas/episodes']:.0f} success={d['mas/success_rate']:.3f} "
+    print(f"[main-ppo-ablation] {name} on gridwalk-v0: groups={d['mas/group/count']:.0f} "
+          f"size={d['mas/group/size_mean']:.2f} singletons={d['mas/group/singleton_frac']:.2f} "
+          f"zero_std={d['mas/group/zero_std_frac']:.2f} episodes={d['mas/episodes']:.0f} "
+          f"success={d['mas/success_rate']:.3f} moves={d['mas/gridwalk/moves']:.2f} "
+          f"bumps={d['mas/gridwalk/bumps']:.2f} "
           f"rollout_probs_diff={recipe_runs.gap(d):.1e}")
     assert recipe_runs.gap(d) < 1e-6 and d["mas/infra_failures"] == 0.0
     # (task, role, turn) groups of the 4 episodes' single candidates: never more than 4 members.
     assert d["mas/episodes"] == 4 * tasks and 1.0 <= d["mas/group/size_mean"] <= 4.0
+    # gridwalk's episodes: one move a turn, the scout and the walker each acting once a turn, within the budget
+    # (2-6 moves); a random tiny model rarely walks a shortest path.
+    assert 2.0 <= d["mas/gridwalk/moves"] <= 6.0
+    assert d["mas/scout/turns"] == d["mas/walker/turns"] == d["mas/gridwalk/moves"]
+    assert 0.0 <= d["mas/gridwalk/followed"] <= 1.0 and d["mas/gridwalk/bumps"] <= d["mas/gridwalk/moves"]
+    # One token an answer (data.max_response_length=1 in the recipe).
+    assert d["response_length/max"] == 1.0

@@ -20,8 +20,10 @@ The package is split by layer, each module importing only the ones above it in t
   its replica's server (the class :data:`ADAPTER_PATH` names).
 
 Diagnostics: ``VERL_MAS_HF_ROLLOUT_FREEZE_WEIGHTS=1`` (:data:`FREEZE_WEIGHTS_ENV`) makes the server
-ignore weight updates (the rollout keeps the initial weights). It exists to prove that verl's
-rollout-vs-actor probability check detects a broken weight sync; never set it for training.
+ignore weight updates (the rollout keeps the initial weights); ``=after:N`` loads the first N updates (the
+initial sync is the first) and ignores the later ones, so one run has synced steps and then frozen ones. It
+exists to prove that verl's rollout-vs-actor probability check detects a broken weight sync; never set it for
+training.
 """
 
 from __future__ import annotations
@@ -34,6 +36,24 @@ BACKEND_NAME = "hf"
 ADAPTER_PATH = "verl_mas.backends.hf.adapter.HFServerAdapter"
 #: Diagnostic switch: ignore weight updates (see the package docstring).
 FREEZE_WEIGHTS_ENV = "VERL_MAS_HF_ROLLOUT_FREEZE_WEIGHTS"
+
+
+def freeze_after(value: str | None) -> int | None:
+    """The :data:`FREEZE_WEIGHTS_ENV` setting: how many weight updates load before the rest are ignored (None: all
+    load). ``1``/``true``/``yes``: 0; ``after:N``: N; unset, empty or ``0``: None.
+
+    Raises:
+        ValueError: For any other value (a typo would otherwise leave the diagnostic silently off).
+    """
+    text = (value or "").strip().lower()
+    if text in ("", "0", "false", "no"):
+        return None
+    if text in ("1", "true", "yes"):
+        return 0
+    if text.startswith("after:") and text[len("after:"):].isdigit():
+        return int(text[len("after:"):])
+    raise ValueError(f"{FREEZE_WEIGHTS_ENV}={value!r}: use 1 (ignore every weight update) or after:N (load the first "
+                     "N, the initial sync included, and ignore the rest); unset it for training.")
 
 
 def load_replica_class() -> Any:

@@ -75,7 +75,8 @@ class HFGenerationEngine:
         self._pending: list[tuple[list[int], SamplingSettings, asyncio.Future[GenerationResult], Any, str | None]] = []
         self._draining = False
         self.largest_batch = 0  # diagnostics: the most requests decoded together so far
-        self.frozen = False
+        #: Diagnostic (``FREEZE_WEIGHTS_ENV``): weight updates after this many loaded ones are ignored (None: none is).
+        self.freeze_after: int | None = None
         self.num_weight_updates = 0
         self.weight_bytes_loaded = 0  # bytes of the tensors loaded by weight syncs, in total
         self.adapters: list[str] = []  # LoRA adapters of a shared base, once loaded (load_adapters)
@@ -105,6 +106,11 @@ class HFGenerationEngine:
         return cls(model, eos, seed=seed)
 
     # ---- weights ----
+    @property
+    def frozen(self) -> bool:
+        """Whether the next weight update is ignored (the ``FREEZE_WEIGHTS_ENV`` diagnostic)."""
+        return self.freeze_after is not None and self.num_weight_updates >= self.freeze_after
+
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Load full weights by name; returns the number of tensors loaded.
 
@@ -114,7 +120,8 @@ class HFGenerationEngine:
         """
         state = {name: tensor for name, tensor in named_tensors}
         if self.frozen:
-            logger.warning("%s=1: ignoring a weight update of %d tensors", FREEZE_WEIGHTS_ENV, len(state))
+            logger.warning("%s: ignoring a weight update of %d tensors (%d loaded before it)", FREEZE_WEIGHTS_ENV,
+                           len(state), self.num_weight_updates)
             return 0
         own = self.model.state_dict()
         unknown = sorted(set(state) - set(own))
@@ -145,7 +152,8 @@ class HFGenerationEngine:
         from peft.utils.save_and_load import get_peft_model_state_dict, set_peft_model_state_dict
 
         if self.frozen:
-            logger.warning("%s=1: ignoring an adapter update of %s", FREEZE_WEIGHTS_ENV, sorted(tensors))
+            logger.warning("%s: ignoring an adapter update of %s (%d loaded before it)", FREEZE_WEIGHTS_ENV,
+                           sorted(tensors), self.num_weight_updates)
             return 0
         if set(tensors) != set(configs):
             raise ValueError(f"adapter sync: tensors for {sorted(tensors)} but configs for {sorted(configs)}")

@@ -25,7 +25,7 @@ import torch
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from verl.workers.rollout.replica import RolloutReplica, TokenOutput
 
-from verl_mas.backends.hf import BACKEND_NAME, FREEZE_WEIGHTS_ENV
+from verl_mas.backends.hf import BACKEND_NAME, FREEZE_WEIGHTS_ENV, freeze_after
 from verl_mas.backends.hf.engine import HFGenerationEngine, settings_from_verl
 from verl_mas.policies.adapters import rollout_adapters
 from verl_mas.policies.configs import rollout_policy
@@ -65,13 +65,14 @@ class HFRolloutServer:
         # A shared LoRA base (mas.lora_base=shared): every request names its adapter; the first sync creates them.
         self.engine.expects_adapters = rollout_adapters(config) is not None
         self.requests_by_adapter: dict[str, int] = {}
-        self.engine.frozen = os.environ.get(FREEZE_WEIGHTS_ENV, "0").lower() in ("1", "true", "yes")
-        if self.engine.frozen:
+        self.engine.freeze_after = freeze_after(os.environ.get(FREEZE_WEIGHTS_ENV))
+        if self.engine.freeze_after is not None:
             logger.warning(
-                "%s is set: rollout replica %d will IGNORE weight updates and keep sampling from the "
-                "initial weights. This is a diagnostic for the weight-sync check; unset it for training.",
+                "%s is set: rollout replica %d will IGNORE weight updates after the first %d and keep sampling from "
+                "the weights it has. This is a diagnostic for the weight-sync check; unset it for training.",
                 FREEZE_WEIGHTS_ENV,
                 replica_rank,
+                self.engine.freeze_after,
             )
         self.max_model_len = int(self.config.max_model_len or (self.config.prompt_length + self.config.response_length))
 
