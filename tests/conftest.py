@@ -123,7 +123,7 @@ _figures: list[str] = []
 def _cost_tier(item: pytest.Item) -> int:
     """0: a main_ppo run on vLLM (2-5 min), 1: another main_ppo run (1-4 min), 2: another slow test, 3: the rest."""
     if "recipe_runs" in getattr(item, "fixturenames", ()):
-        return 0 if item.path.name.startswith("test_vllm_") else 1
+        return 0 if item.path.name == "test_vllm_cpu.py" else 1
     return 2 if item.get_closest_marker("slow") else 3
 
 
