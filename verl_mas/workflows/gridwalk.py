@@ -103,6 +103,23 @@ class _Gridwalk(Workflow):
                              "with GridwalkWorkflow.generate_task (python -m verl_mas.data gridwalk-v0).")
         return level
 
+    async def _walk(self, level: pp.PathLevel, state: pp.PathState,
+                    prompt: str) -> tuple[str | None, pp.PathState, bool]:
+        """The walker's turn: K moves from ``prompt``, each with the reward it earns (team; local 0), the best
+        committed. Returns the committed move (None: unparsable, a move spent in place), the state after it, and
+        whether it bumped. Ends the episode at the goal or when the budget is spent."""
+        walks = await self.generate("walker", [user(prompt)])
+        for w in walks:
+            move = gw.parse_move(w.text)
+            w.parse_failed = move is None
+            w.team_reward, w.local_reward = _reward(level, state, move), 0.0
+        move = gw.parse_move(walks.best().text)
+        step = level.step(state, [move]) if move else None
+        state = step.state if step else pp.PathState(state.pos, state.moves_used + 1)
+        if level.is_solved(state) or state.moves_used >= gw.budget(level):
+            self.terminate()
+        return move, state, step is None or step.invalid > 0
+
     def _finish(self, level: pp.PathLevel, state: pp.PathState, bumps: int, moves: int) -> None:
         self.metrics["mas/success"] = float(level.is_solved(state))
         self.metrics["mas/gridwalk/bumps"] = float(bumps)
@@ -134,18 +151,9 @@ class GridwalkWorkflow(_Gridwalk):
             proposal = gw.parse_move(proposals.best().text)
             good += proposal in gw.good_moves(level, state.pos)
 
-            walks = await self.generate("walker", [user(walker_prompt(level, state, proposal))])
-            for w in walks:
-                move = gw.parse_move(w.text)
-                w.parse_failed = move is None
-                w.team_reward, w.local_reward = _reward(level, state, move), 0.0
-            move = gw.parse_move(walks.best().text)
+            move, state, bumped = await self._walk(level, state, walker_prompt(level, state, proposal))
             followed += move is not None and move == proposal
-            step = level.step(state, [move]) if move else None
-            bumps += step is None or step.invalid > 0
-            state = step.state if step else pp.PathState(state.pos, state.moves_used + 1)
-            if level.is_solved(state) or state.moves_used >= gw.budget(level):
-                self.terminate()
+            bumps += bumped
         self._finish(level, state, bumps, state.moves_used)
         self.metrics["mas/gridwalk/followed"] = followed / max(state.moves_used, 1)
         self.metrics["mas/gridwalk/scout_good"] = good / max(state.moves_used, 1)
@@ -164,15 +172,6 @@ class GridwalkSingleWorkflow(_Gridwalk):
         level = self.load(task)
         state, bumps = level.initial_state(), 0
         for _ in self.turns():
-            walks = await self.generate("walker", [user(scout_prompt(level, state, role="walker"))])
-            for w in walks:
-                move = gw.parse_move(w.text)
-                w.parse_failed = move is None
-                w.team_reward, w.local_reward = _reward(level, state, move), 0.0
-            move = gw.parse_move(walks.best().text)
-            step = level.step(state, [move]) if move else None
-            bumps += step is None or step.invalid > 0
-            state = step.state if step else pp.PathState(state.pos, state.moves_used + 1)
-            if level.is_solved(state) or state.moves_used >= gw.budget(level):
-                self.terminate()
+            _, state, bumped = await self._walk(level, state, scout_prompt(level, state, role="walker"))
+            bumps += bumped
         self._finish(level, state, bumps, state.moves_used)
