@@ -142,16 +142,16 @@ def test_weight_updates_change_generation_and_unknown_names_fail(tiny_model_dir:
 
 
 def test_the_freeze_diagnostic_reads_every_setting_and_refuses_a_typo() -> None:
-    from verl_mas.backends import freeze_after
+    from verl_mas.backends import diagnostic_after
     from verl_mas.backends.vllm import FREEZE_WEIGHTS_ENV as VLLM_FREEZE
 
     env = "VERL_MAS_HF_ROLLOUT_FREEZE_WEIGHTS"
-    assert [freeze_after(v, env) for v in (None, "", "0", "1", "yes", "after:2", " AFTER:10 ")] == [None, None, None,
+    assert [diagnostic_after(v, env) for v in (None, "", "0", "1", "yes", "after:2", " AFTER:10 ")] == [None, None, None,
                                                                                                      0, 0, 2, 10]
     with pytest.raises(ValueError, match=f"{env}='after2'.*after:N"):
-        freeze_after("after2", env)
+        diagnostic_after("after2", env)
     with pytest.raises(ValueError, match=f"{VLLM_FREEZE}='after:-1'"):
-        freeze_after("after:-1", VLLM_FREEZE)
+        diagnostic_after("after:-1", VLLM_FREEZE)
 
 
 async def test_concurrent_requests_get_exactly_their_sequential_answers(engine: HFGenerationEngine) -> None:

@@ -143,10 +143,11 @@ TASKS, K = 8, 4
 
 
 def _two_policy_run(recipe_runs, tmp_path: Path, tag: str, *overrides: str, syncs_at_step_1: dict[str, float],
-                    gap: float) -> tuple[Path, list[dict]]:
-    """The CPU quickstart with two policies (caller, runner) on vLLM for 2 steps, the runner held at zero
-    advantage (``mas.alpha=0``, no weight decay); checks every step's per-policy figures and returns the run
-    directory and the steps' metrics.
+                    gap: float, more_steps: int = 0, **env: str) -> tuple[Path, list[dict], list[dict]]:
+    """The CPU quickstart with two policies (caller, runner) on vLLM for 2 steps (and ``more_steps`` after them, a
+    diagnostic phase ``env`` switches on, unchecked here), the runner held at zero advantage (``mas.alpha=0``, no
+    weight decay); checks the first 2 steps' per-policy figures and returns the run directory, their metrics and
+    the later steps'.
 
     Per step and policy: the rollout-vs-actor gap below ``gap`` (a request served by, or a sync landing in,
     the other policy's server shows up here), exactly K requests per turn its role acted in on its own
@@ -160,10 +161,11 @@ def _two_policy_run(recipe_runs, tmp_path: Path, tag: str, *overrides: str, sync
         "mas.alpha=0",
         *overrides, "+mas.policies.runner.actor.optim.weight_decay=0.0", "trainer.save_freq=2",
         "actor_rollout_ref.actor.checkpoint.save_contents=[model,optimizer,extra,hf_model]",
-        python=_vllm_python(), steps=2)
+        python=_vllm_python(), steps=2 + more_steps, **env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     steps = [m for m in metrics if "mas/success_rate" in m["data"]]
-    assert [m["step"] for m in steps] == [1, 2]
+    assert [m["step"] for m in steps] == list(range(1, 3 + more_steps))
+    steps, later = steps[:2], steps[2:]
     for m in steps:
         d = m["data"]
         print(f"\n[{tag}] step {m['step']}: " + " ".join(
@@ -181,7 +183,7 @@ def _two_policy_run(recipe_runs, tmp_path: Path, tag: str, *overrides: str, sync
         assert d["mas/infra_failures"] == 0.0 and d["mas/episodes"] == TASKS
     print()
     assert max(m["data"]["policy/caller/actor/grad_norm"] for m in steps) > 0
-    return run_dir, steps
+    return run_dir, steps, later
 
 
 def test_a_lora_adapter_and_a_model_of_another_size_as_two_roles_on_vllm_route_sync_and_train_apart(
@@ -203,7 +205,7 @@ def test_a_lora_adapter_and_a_model_of_another_size_as_two_roles_on_vllm_route_s
                    "+mas.policies.caller.model.lora.merge=false", "+mas.policies.caller.actor.optim.lr=1e-2")
     # Step 1's syncs: the caller's initial sync loads the base and then the adapter, then step 1's adapter; the
     # runner's, its model twice (the initial sync and step 1's).
-    run_dir, steps = _two_policy_run(recipe_runs, tmp_path, "vllm-policies", "mas_policies=per_role_models",
+    run_dir, steps, _ = _two_policy_run(recipe_runs, tmp_path, "vllm-policies", "mas_policies=per_role_models",
                                      f"+mas.policies.runner.model.path={runner_model}", *caller_lora,
                                      syncs_at_step_1={"caller": 3.0, "runner": 2.0}, gap=1e-6)
     # The bytes the vLLM servers loaded (mas/rollout/weight_bytes; it was always 0 on vLLM), in fp32. The caller's
@@ -432,9 +434,12 @@ def test_one_resident_base_with_an_adapter_per_role_on_vllm_serves_each_role_its
     runner's slot (or a sync landing in the wrong slot) shows up as the caller's rollout-vs-actor gap."""
     import torch
 
-    # Step 1's syncs: the initial sync loads the base and then both adapters, then step 1's adapters.
-    run_dir, steps = _two_policy_run(recipe_runs, tmp_path, "vllm-shared-lora", "mas_policies=per_role_lora",
-                                     syncs_at_step_1={"caller": 3.0, "runner": 3.0}, gap=1e-6)
+    # Step 1's syncs: the initial sync loads the base and then both adapters, then step 1's adapters. Steps 3-4 are
+    # the negative control (VERL_MAS_VLLM_SWAP_ADAPTERS=after:3): once the server has loaded 3 syncs (through step
+    # 1's) it serves each request with the other policy's adapter, from the sync after step 2 on.
+    run_dir, steps, swapped = _two_policy_run(recipe_runs, tmp_path, "vllm-shared-lora", "mas_policies=per_role_lora",
+                                              syncs_at_step_1={"caller": 3.0, "runner": 3.0}, gap=1e-6, more_steps=2,
+                                              VERL_MAS_VLLM_SWAP_ADAPTERS="after:3")
     ckpt = run_dir / "checkpoints" / "global_step_2" / "actor"
     assert not (run_dir / "checkpoints" / "global_step_2" / "actor_runner").exists()  # one module, one folder
     from safetensors.torch import load_file
@@ -449,24 +454,11 @@ def test_one_resident_base_with_an_adapter_per_role_on_vllm_serves_each_role_its
     adapter_bytes = 2 * 8 * 2_048 * 4
     assert [m["data"]["mas/rollout/weight_bytes"] for m in steps] == [RELAY_MODEL_BYTES + 2 * 2 * adapter_bytes,
                                                                       2 * adapter_bytes]
-    synced = steps[-1]["data"]["policy/caller/training/rollout_probs_diff_mean"]
-    # Negative control: the same run with each request served by the other policy's adapter. Both adapters start
-    # at zero (B = 0 at creation) and the swap is invisible until the caller's adapter first moves: at every step
-    # after the first one where the caller had signal (a non-zero gradient; with a random tiny model that step
-    # may come late), its requests, answered by the runner's zero adapter, show a gap far above the synced one.
-    swapped_dir = tmp_path / "swapped"
-    swapped_dir.mkdir()  # the recipe builds model-h128, which vLLM serves (head size 32)
-    proc, metrics = recipe_runs.run(
-        REPO / "recipes" / "at_grpo_cpu" / "run.sh", swapped_dir, *recipe_runs.relay_shape, *VLLM,
-        f"data.train_batch_size={TASKS}", "mas.alpha=0", "mas_policies=per_role_lora",
-        python=_vllm_python(), steps=3, VERL_MAS_VLLM_SWAP_ADAPTERS="1")
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    swapped = [m["data"] for m in metrics if "mas/success_rate" in m["data"]]
-    gaps = [d["policy/caller/training/rollout_probs_diff_mean"] for d in swapped]
-    moved = [d["policy/caller/actor/grad_norm"] > 0 for d in swapped]
-    print(f"[vllm-shared-lora] caller gap with swapped adapters per step: {', '.join(f'{g:.1e}' for g in gaps)} "
-          f"(caller had signal: {moved}; synced run: {synced:.1e})")
-    first = moved.index(True) if True in moved else len(moved)
-    assert first < len(moved) - 1, "the caller had no signal before the last step: no adapter moved, nothing to swap"
-    assert all(g < 1e-6 for g in gaps[:first + 1])
-    assert all(g > max(100 * synced, 1e-6) for g in gaps[first + 1:])
+    # Negative control, steps 3-4: every request served by the other policy's adapter. The caller had signal in
+    # steps 1-2 (checked above), so its adapter is no longer the runner's (B = 0) and its requests, answered by the
+    # runner's adapter, show a gap far above the synced one.
+    synced = max(m["data"]["policy/caller/training/rollout_probs_diff_mean"] for m in steps)
+    gaps = [m["data"]["policy/caller/training/rollout_probs_diff_mean"] for m in swapped]
+    print(f"[vllm-shared-lora] caller gap with swapped adapters, steps 3-4: {', '.join(f'{g:.1e}' for g in gaps)} "
+          f"(synced steps 1-2: at most {synced:.1e})")
+    assert len(gaps) == 2 and all(g > max(100 * synced, 1e-6) for g in gaps), gaps

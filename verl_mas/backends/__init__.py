@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-__all__ = ["freeze_after"]
+__all__ = ["diagnostic_after"]
 
 
-def freeze_after(value: str | None, env: str) -> int | None:
-    """A rollout backend's freeze diagnostic, read from the environment variable ``env``: how many weight
-    syncs load before the rest are ignored (None: all load). ``1``/``true``/``yes``: 0; ``after:N``: N (the
-    initial sync is the first); unset, empty or ``0``: None.
+def diagnostic_after(value: str | None, env: str) -> int | None:
+    """A rollout backend's diagnostic switch (frozen weights, swapped adapters), read from the environment variable
+    ``env``: after how many weight syncs it takes effect (None: never). ``1``/``true``/``yes``: 0 (from the start);
+    ``after:N``: N (the initial sync is the first), so one run has normal steps and then diagnostic ones; unset,
+    empty or ``0``: None.
 
     Raises:
         ValueError: For any other value (a typo would otherwise leave the diagnostic silently off).
@@ -20,5 +21,5 @@ def freeze_after(value: str | None, env: str) -> int | None:
         return 0
     if text.startswith("after:") and text[len("after:"):].isdigit():
         return int(text[len("after:"):])
-    raise ValueError(f"{env}={value!r}: use 1 (ignore every weight update) or after:N (load the first N, the "
-                     "initial sync included, and ignore the rest); unset it for training.")
+    raise ValueError(f"{env}={value!r}: use 1 (from the start) or after:N (after the first N weight syncs, the "
+                     "initial one included); unset it for training.")

@@ -25,7 +25,7 @@ import torch
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from verl.workers.rollout.replica import RolloutReplica, TokenOutput
 
-from verl_mas.backends import freeze_after
+from verl_mas.backends import diagnostic_after
 from verl_mas.backends.hf import BACKEND_NAME, FREEZE_WEIGHTS_ENV
 from verl_mas.backends.hf.engine import HFGenerationEngine, settings_from_verl
 from verl_mas.policies.adapters import rollout_adapters
@@ -66,7 +66,7 @@ class HFRolloutServer:
         # A shared LoRA base (mas.lora_base=shared): every request names its adapter; the first sync creates them.
         self.engine.expects_adapters = rollout_adapters(config) is not None
         self.requests_by_adapter: dict[str, int] = {}
-        self.engine.freeze_after = freeze_after(os.environ.get(FREEZE_WEIGHTS_ENV), FREEZE_WEIGHTS_ENV)
+        self.engine.freeze_after = diagnostic_after(os.environ.get(FREEZE_WEIGHTS_ENV), FREEZE_WEIGHTS_ENV)
         if self.engine.freeze_after is not None:
             logger.warning(
                 "%s is set: rollout replica %d will IGNORE weight updates after the first %d and keep sampling from "

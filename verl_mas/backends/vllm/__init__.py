@@ -45,8 +45,9 @@ PLUGIN_NAME = "verl_mas"
 #: included) and ignore the rest, so one run has synced steps and then frozen ones (the tests use it to show the
 #: rollout-vs-actor check can fail).
 FREEZE_WEIGHTS_ENV = "VERL_MAS_VLLM_FREEZE_WEIGHTS"
-#: Diagnostic only: with ``=1`` a shared LoRA base's server answers each request with the *next* policy's adapter
-#: (the tests use it to show that the per-policy rollout-vs-actor check catches adapters served to the wrong role).
+#: Diagnostic only: with ``=1`` a shared LoRA base's server answers each request with the *next* policy's adapter,
+#: with ``=after:N`` once it has loaded N weight syncs (the tests use it to show that the per-policy rollout-vs-actor
+#: check catches adapters served to the wrong role).
 SWAP_ADAPTERS_ENV = "VERL_MAS_VLLM_SWAP_ADAPTERS"
 #: Seconds a trainer rank waits for the vLLM side to acknowledge one weight bucket before the sync fails
 #: (default 900). The rank that holds the server handle fails as soon as the server reports an error.

@@ -63,7 +63,7 @@ class SyncBytesWorkerExtension(vLLMColocateWorkerExtension):
     """verl's vLLM worker extension whose weight-sync call returns the bytes of the tensors this worker loaded.
 
     Counted where verl loads each bucket (``_update_weights``), after the load returned: a sync that fails
-    counts nothing, and with the diagnostic ``VERL_MAS_VLLM_FREEZE_WEIGHTS=1`` (nothing loaded) neither.
+    counts nothing, and neither does a sync the diagnostic ``VERL_MAS_VLLM_FREEZE_WEIGHTS`` ignores.
     """
 
     _sync_bytes = 0  # bytes loaded by the weight sync in progress
@@ -92,6 +92,11 @@ class MultiLoraWorkerExtension(SyncBytesWorkerExtension):
         adapters = peft_config.get(ADAPTERS_KEY) if isinstance(peft_config, dict) else None
         if not (adapters and base_sync_done):  # the base (once, when vLLM started on dummy weights)
             return super()._update_weights(weights, peft_config=peft_config, base_sync_done=base_sync_done)
+        from verl_mas.backends.vllm.plugin import weight_updates_frozen
+
+        if weight_updates_frozen():  # the freeze diagnostic holds for adapter syncs too
+            logger.warning("ignoring an adapter sync of %s (weight updates frozen: diagnostic)", sorted(adapters))
+            return None
         from verl.utils.vllm import TensorLoRARequest
 
         # Cloned out of the receiver's reused transfer buffer: add_lora keeps the tensors.

@@ -11,7 +11,7 @@ import logging
 import os
 from typing import Any
 
-from verl_mas.backends import freeze_after
+from verl_mas.backends import diagnostic_after
 from verl_mas.backends.vllm import FREEZE_WEIGHTS_ENV
 
 logger = logging.getLogger(__name__)
@@ -37,7 +37,7 @@ def apply(*, cpu: bool) -> list[str]:
     if cpu:
         _keep_cpu_linear_weights()
         applied.append("CPU linear layers keep their weight tensors (verl syncs weights into them)")
-    after = freeze_after(os.environ.get(FREEZE_WEIGHTS_ENV), FREEZE_WEIGHTS_ENV)
+    after = diagnostic_after(os.environ.get(FREEZE_WEIGHTS_ENV), FREEZE_WEIGHTS_ENV)
     if after is not None:
         _freeze_weight_updates(after)
         applied.append(f"{FREEZE_WEIGHTS_ENV}: weight syncs after the first {after} are received and ignored "

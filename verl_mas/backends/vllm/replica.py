@@ -15,11 +15,12 @@ import contextvars
 import logging
 import os
 import sys
-from typing import Any
+from typing import Any, Callable
 
 import ray
 from verl.workers.rollout.vllm_rollout.vllm_async_server import vLLMHttpServer, vLLMReplica
 
+from verl_mas.backends import diagnostic_after
 from verl_mas.backends.vllm import SWAP_ADAPTERS_ENV, server_name_prefix, weight_socket_job
 from verl_mas.policies.adapters import rollout_adapters
 from verl_mas.policies.configs import rollout_policy
@@ -42,11 +43,11 @@ class _AdapterEngine:
     """vLLM's engine client as verl's server calls it, each ``generate`` with the LoRA request of the adapter
     the current request names (verl's server would pass its single slot's)."""
 
-    def __init__(self, engine: Any, ids: dict[str, int], swap: bool = False) -> None:
-        self._engine, self._ids = engine, ids
-        # SWAP_ADAPTERS_ENV (diagnostic): each policy served with the next policy's adapter.
+    def __init__(self, engine: Any, ids: dict[str, int], swap: Callable[[], bool] = lambda: False) -> None:
+        self._engine, self._ids, self._swap = engine, ids, swap
+        # SWAP_ADAPTERS_ENV (diagnostic): while swap() holds, each policy is served with the next policy's adapter.
         names = list(ids)
-        self._serve = {p: names[(i + 1) % len(names)] if swap else p for i, p in enumerate(names)}
+        self._next = {p: names[(i + 1) % len(names)] for i, p in enumerate(names)}
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._engine, name)
@@ -55,7 +56,7 @@ class _AdapterEngine:
         from verl_mas.backends.vllm.lora import lora_request as adapter_request
 
         adapter = _REQUEST_ADAPTER.get()
-        return self._engine.generate(*args, lora_request=adapter_request(self._serve[adapter], self._ids), **kwargs)
+        return self._engine.generate(*args, lora_request=adapter_request(self._next[adapter] if self._swap() else adapter, self._ids), **kwargs)
 
 
 def sync_bytes(answers: Any) -> int:
@@ -108,11 +109,13 @@ class PolicyVLLMHttpServer(vLLMHttpServer):
         if self.adapters:
             from verl_mas.backends.vllm.lora import adapter_ids
 
-            swap = os.environ.get(SWAP_ADAPTERS_ENV, "0").lower() in ("1", "true", "yes")
-            if swap:
-                logger.warning("%s is set: every request is served with ANOTHER policy's adapter (a diagnostic for "
-                               "the per-policy rollout-vs-actor check); unset it for training.", SWAP_ADAPTERS_ENV)
-            self.engine = _AdapterEngine(self.engine, adapter_ids(self.adapters), swap=swap)
+            swap_after = diagnostic_after(os.environ.get(SWAP_ADAPTERS_ENV), SWAP_ADAPTERS_ENV)
+            if swap_after is not None:
+                logger.warning("%s is set: after %d weight syncs every request is served with ANOTHER policy's adapter "
+                               "(a diagnostic for the per-policy rollout-vs-actor check); unset it for training.",
+                               SWAP_ADAPTERS_ENV, swap_after)
+            self.engine = _AdapterEngine(self.engine, adapter_ids(self.adapters),
+                                         swap=lambda: swap_after is not None and self.weight_updates > swap_after)
 
     async def generate(self, *args: Any, adapter: str | None = None, **kwargs: Any) -> Any:
         if self.adapters:
