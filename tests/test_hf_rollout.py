@@ -184,7 +184,8 @@ async def test_batched_sampling_keeps_per_request_settings_and_seeds(engine: HFG
 
 @pytest.mark.slow  # starts Ray in a child interpreter
 def test_server_actor_under_concurrent_ray_requests(tiny_model_dir: Path) -> None:
-    """The Ray server actor verl talks to: 32 concurrent generate calls vs one-at-a-time calls."""
+    """The Ray server actor verl talks to: 32 concurrent generate calls vs one-at-a-time calls; every sample names
+    the replica that served it, and the counters the trainer logs per replica count every request."""
     code = f"""
         import asyncio, json, ray
         import verl  # loads the plugin
@@ -197,7 +198,7 @@ def test_server_actor_under_concurrent_ray_requests(tiny_model_dir: Path) -> Non
 
         ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
         config = RolloutConfig(name="hf", prompt_length=32, response_length=8, tensor_model_parallel_size=1)
-        server = ray.remote(HFRolloutServer).options(max_concurrency=64).remote(config, ModelConfig(), 0)
+        server = ray.remote(HFRolloutServer).options(max_concurrency=64).remote(config, ModelConfig(), 3)
         prompts = {PROMPTS!r}
         params = dict(temperature=0, top_p=1.0, top_k=-1, repetition_penalty=1.0, logprobs=True)
         one_by_one = [ray.get(server.generate.remote(p, dict(params), f"seq-{{i}}")) for i, p in enumerate(prompts)]
@@ -210,7 +211,9 @@ def test_server_actor_under_concurrent_ray_requests(tiny_model_dir: Path) -> Non
         ok = all(t.token_ids == one_by_one[j % len(prompts)].token_ids and
                  max(abs(a - b) for a, b in zip(t.log_probs, one_by_one[j % len(prompts)].log_probs)) < 1e-5
                  for j, t in enumerate(together))
-        print(json.dumps({{"ok": ok, "n": len(together), "steps": [t.extra_fields["global_steps"] for t in together[:2]],
+        print(json.dumps({{"ok": ok, "n": len(together), "stats": ray.get(server.stats.remote()),
+                          "replicas": sorted({{t.extra_fields["mas_replica"] for t in together + one_by_one}}),
+                          "steps": [t.extra_fields["global_steps"] for t in together[:2]],
                           "lens": sorted({{len(t.token_ids) for t in together}}), "stop": together[0].stop_reason}}))
         ray.shutdown()
     """
@@ -222,3 +225,5 @@ def test_server_actor_under_concurrent_ray_requests(tiny_model_dir: Path) -> Non
     assert result["ok"] is True and result["n"] == 32
     assert result["steps"] == [0, 0] and result["stop"] == "completed"
     assert max(result["lens"]) <= 8
+    assert result["stats"] == {"requests": len(PROMPTS) * 5, "weight_updates": 0, "weight_bytes": 0}
+    assert result["replicas"] == [3]  # the replica rank the server was started with

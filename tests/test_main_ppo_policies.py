@@ -1,7 +1,8 @@
 """One model per role and one LoRA adapter per role, end to end through verl's stock main_ppo on CPU.
 
-The CPU quickstart recipe (relay-v0: roles caller and runner) with ``mas_policies=per_role_models`` or
-``mas_policies=per_role_lora``. Two controls make the checks able to fail:
+The CPU quickstart recipe with ``mas_policies=per_role_models`` (relay-v0: roles caller and runner) or
+``mas_policies=per_role_lora`` (relay-chain-v0: caller, courier and runner, at data-parallel 2 with two rollout
+replicas). Two controls make the checks able to fail:
 
 - ``mas.alpha=0`` leaves the runner with reward 0 on every sample (its reward is the team term only), so
   every runner group has zero variance and zero advantage: the runner's policy must not move at all
@@ -12,8 +13,8 @@ The CPU quickstart recipe (relay-v0: roles caller and runner) with ``mas_policie
   log-prob gap for that policy. (That each role renders with its own tokenizer is checked on the agent
   loop's rows in tests/test_policies.py.)
 
-With per-role LoRA the two adapters share one resident base (``mas.lora_base=shared``); that each request
-reaches its own adapter is checked with both adapters non-zero and a swapped-adapter control in
+With per-role LoRA the three adapters share one resident base (``mas.lora_base=shared``); that each request
+reaches its own adapter is checked with two adapters non-zero and a swapped-adapter control in
 tests/test_shared_lora_cpu.py, here end to end on the counts, the synced bytes and the checkpoints.
 """
 
@@ -34,10 +35,10 @@ K, TASKS = 4, 8  # K: recipe_runs.relay_shape's
 SAVE_HF = "actor_rollout_ref.actor.checkpoint.save_contents=[model,optimizer,extra,hf_model]"
 
 
-def _run(run_dir: Path, shape: tuple[str, ...], *overrides: str) -> list[dict]:
-    """The quickstart recipe in the tests' shape (``recipe_runs.relay_shape``), then ``overrides``."""
+def _run(run_dir: Path, shape: tuple[str, ...], *overrides: str, workflow: str = "relay-v0") -> list[dict]:
+    """The quickstart recipe in the tests' shape (``recipe_runs.relay_shape``) on ``workflow``, then ``overrides``."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("VERL_")}
-    env.update(PYTHON=sys.executable, VERL_MAS_RUN_DIR=str(run_dir))
+    env.update(PYTHON=sys.executable, VERL_MAS_RUN_DIR=str(run_dir), WORKFLOW=workflow)
     proc = subprocess.run(
         ["bash", str(RECIPE), *shape, f"data.train_batch_size={TASKS}", "mas.alpha=0", *overrides],
         cwd=run_dir.parent, env=env, capture_output=True, text=True, timeout=1500,
@@ -143,21 +144,33 @@ def test_per_role_models_of_different_sizes_train_route_sync_save_and_resume(tmp
     print(f"[per-role-models] resume: {len(after_step2)} greedy validation outputs identical before/after the restart")
 
 
+#: The three-role team of relay-chain-v0: each role has its own LoRA adapter on the one resident base.
+CHAIN = ("caller", "courier", "runner")
+#: Data-parallel ranks (logical GPUs) of the shared-base run: verl gives each rank one hf rollout replica.
+DP = 2
+
+
 @pytest.mark.slow
-def test_per_role_lora_trains_each_adapter_on_one_resident_base_syncs_adapters_only_and_resumes(
+def test_three_lora_adapters_on_one_base_train_at_two_ranks_with_two_replicas_sync_adapters_only_and_resume(
         tmp_path: Path, recipe_runs) -> None:
-    """mas_policies=per_role_lora (mas.lora_base=shared): one worker group and one hf rollout hold the base
-    once and both adapters (rank 8, all linear layers of the relay's tiny model: 2816 x 8 = 22,528 floats,
-    90,112 bytes each). The agent loop's requests name their role's adapter; the sync sends adapter tensors."""
+    """mas_policies=per_role_lora (mas.lora_base=shared) on relay-chain-v0's three roles, at data-parallel 2: one
+    worker group of two ranks holds the base once and the three adapters (rank 8, all linear layers of the tiny
+    model: 2816 x 8 = 22,528 floats, 90,112 bytes each); verl starts one hf rollout replica per rank. The agent
+    loop's requests name their role's adapter and stay on one replica per (episode, role) session; every sync
+    reaches both replicas and sends adapter tensors only; both ranks write their shards and resume from them.
+
+    ``mas.alpha=0``: the runner's reward is its team term only, so its every group is flat and its adapter must not
+    move, while the caller's and the courier's (local rewards) must."""
     from peft import PeftModel
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
     adapter_bytes = 2816 * 8 * 4
     run_dir = tmp_path / "run"
-    lora = ("mas_policies=per_role_lora", "+mas.policies.runner.actor.optim.weight_decay=0.0")
+    lora = ("mas_policies=per_role_lora", "+mas.policies.runner.actor.optim.weight_decay=0.0",
+            f"trainer.n_gpus_per_node={DP}", f"ray_kwargs.ray_init.num_gpus={DP}")
     metrics = _run(run_dir, recipe_runs.relay_shape, *lora, "trainer.total_training_steps=2", "trainer.save_freq=2",
-                   SAVE_HF)
+                   SAVE_HF, workflow="relay-chain-v0")
     steps = [m for m in metrics if "mas/success_rate" in m["data"]]
     assert [m["step"] for m in steps] == [1, 2]
     base = _weights(run_dir / "model")
@@ -166,60 +179,77 @@ def test_per_role_lora_trains_each_adapter_on_one_resident_base_syncs_adapters_o
                      for t in AutoModelForCausalLM.from_pretrained(run_dir / "model").state_dict().values())
     for m in steps:
         d = m["data"]
-        print(f"[per-role-lora] step {m['step']}: " + " ".join(
+        print(f"[per-role-lora] step {m['step']} (dp={DP}): " + " ".join(
             f"{p}: probs_diff={d[f'policy/{p}/training/rollout_probs_diff_mean']:.1e} "
-            f"grad_norm={d[f'policy/{p}/actor/grad_norm']:.3g} requests={d[f'policy/{p}/rollout/requests']:.0f}"
-            for p in ("caller", "runner")) + f" synced bytes={d['mas/rollout/weight_bytes']:.0f}")
+            f"grad_norm={d[f'policy/{p}/actor/grad_norm']:.3g} requests="
+            + "+".join(f"{d[f'policy/{p}/rollout/replica{r}/requests']:.0f}" for r in range(DP)) for p in CHAIN)
+            + f" sessions={d['mas/rollout/sessions']:.0f} split={d['mas/rollout/sessions_split']:.0f}"
+            f" synced bytes={d['mas/rollout/weight_bytes']:.0f}")
         # Base + adapter in the actor vs the rollout's base + the same adapter: equal up to float rounding.
-        assert d["policy/caller/training/rollout_probs_diff_mean"] < 1e-4
-        assert d["policy/runner/training/rollout_probs_diff_mean"] < 1e-4
+        for policy in CHAIN:
+            assert d[f"policy/{policy}/training/rollout_probs_diff_mean"] < 1e-4
         assert d["policy/runner/actor/grad_norm"] == 0.0  # alpha=0: the runner's control condition
+        # Every (episode, role) session (tree sampling: one episode per task, every role acts from turn 0) stayed
+        # on one replica, and the sessions spread over both replicas of the one rollout.
+        assert (d["mas/rollout/sessions"], d["mas/rollout/sessions_split"]) == (TASKS * len(CHAIN), 0.0)
+        for policy in CHAIN:
+            assert all(d[f"policy/{policy}/rollout/replica{r}/requests"] > 0 for r in range(DP))
         if m["step"] == 1:
-            # The one rollout served each role's K requests per turn under that role's adapter.
-            for role in ("caller", "runner"):
+            # The rollout served each role's K requests per turn under that role's adapter, on the two replicas.
+            for role in CHAIN:
                 assert d[f"policy/{role}/rollout/requests"] == round(K * TASKS * d[f"mas/{role}/turns"])
-            # Before step 1: verl's first sync sends the base once (the rollout started from dummy weights) and
-            # both adapters, then the sync at the start of training both adapters again.
-            assert d["mas/rollout/weight_bytes"] == base_bytes + 2 * 2 * adapter_bytes
-        else:  # after a step: the two adapters' tensors, nothing of the base
-            assert d["mas/rollout/weight_bytes"] == 2 * adapter_bytes
-            assert d["policy/caller/rollout/weight_updates"] == d["policy/runner/rollout/weight_updates"] == 1.0
+            # Before step 1, on each replica: verl's first sync sends the base once (the rollout started from dummy
+            # weights) and the three adapters, then the sync at the start of training the adapters again.
+            assert d["mas/rollout/weight_bytes"] == DP * (base_bytes + 2 * len(CHAIN) * adapter_bytes)
+        else:  # after a step: on each replica, the adapters' tensors and nothing of the base
+            assert d["mas/rollout/weight_bytes"] == DP * len(CHAIN) * adapter_bytes
+            for policy in CHAIN:
+                assert [d[f"policy/{policy}/rollout/replica{r}/weight_updates"] for r in range(DP)] == [1.0] * DP
     assert max(m["data"]["policy/caller/actor/grad_norm"] for m in steps) > 0
+    assert max(m["data"]["policy/courier/actor/grad_norm"] for m in steps) > 0
 
     ckpt = run_dir / "checkpoints" / "global_step_2" / "actor"
-    # One checkpoint for both policies (one module), each adapter also on its own in the PEFT format.
-    assert not (run_dir / "checkpoints" / "global_step_2" / "actor_runner").exists()
+    # One checkpoint for all policies (one module), each adapter also on its own in the PEFT format.
+    assert not any((run_dir / "checkpoints" / "global_step_2" / f"actor_{p}").exists() for p in CHAIN)
     saved = _weights(ckpt / "huggingface")  # peft layout: base_layer + lora_A/lora_B of every adapter
     frozen = {k.removeprefix("base_model.model.").replace(".base_layer", ""): v
               for k, v in saved.items() if "lora_" not in k}
+    # Gathered from two shards, the tied lm_head is written as a tensor of its own (one rank writes both as one):
+    # it must still be the embedding.
+    assert torch.equal(frozen.pop("lm_head.weight"), base["model.embed_tokens.weight"])
     assert frozen.keys() == base.keys() and all(torch.equal(frozen[k], base[k]) for k in base)  # base untouched
-    adapters = {p: load_file(str(ckpt / "adapters" / p / "adapter_model.safetensors")) for p in ("caller", "runner")}
+    adapters = {p: load_file(str(ckpt / "adapters" / p / "adapter_model.safetensors")) for p in CHAIN}
     assert {p: sum(t.numel() * t.element_size() for t in a.values()) for p, a in adapters.items()} == {
-        "caller": adapter_bytes, "runner": adapter_bytes}
-    # B starts at zero: the runner's adapter (zero advantage) is still zero, the caller's is not.
+        p: adapter_bytes for p in CHAIN}
+    # B starts at zero: the runner's adapter (zero advantage) is still zero, the caller's and the courier's are not.
     assert all(torch.count_nonzero(v) == 0 for k, v in adapters["runner"].items() if "lora_B" in k)
-    assert sum(int(torch.count_nonzero(v)) for k, v in adapters["caller"].items() if "lora_B" in k) > 0
+    for policy in ("caller", "courier"):
+        assert sum(int(torch.count_nonzero(v)) for k, v in adapters[policy].items() if "lora_B" in k) > 0
     peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(run_dir / "model"),
                                            str(ckpt / "adapters" / "caller"))
     assert peft_model.peft_config["default"].r == 8
 
-    # Kill and resume: every adapter's optimiser continues its count (one mini-batch a step: Adam's step is
-    # 2 in the step-2 checkpoint; an adapter restarted from scratch would have 1). The resumed step drops the
-    # zero-variance groups (mas.drop_zero_variance): the runner (alpha=0: every group flat) has no signal, so
-    # it takes no optimiser step at all (Adam would still move it on zero gradients through its momentum):
-    # its count stays 2 while the caller's goes to 3, and it logs no update metrics that step.
+    # Kill and resume: every adapter's optimiser continues its count on both ranks (one mini-batch a step: Adam's
+    # step is 2 in the step-2 checkpoint; an adapter restarted from scratch would have 1). The resumed step drops
+    # the zero-variance groups (mas.drop_zero_variance): a policy without signal takes no optimiser step at all
+    # (Adam would still move it on zero gradients through its momentum): its count stays 2 and it logs no update
+    # metrics that step, while a policy with signal goes to 3. The runner (alpha=0: every group flat) never has any.
     resumed = _run(run_dir, recipe_runs.relay_shape, *lora, "trainer.total_training_steps=3", "trainer.save_freq=3",
-                   "mas.drop_zero_variance=true")
+                   "mas.drop_zero_variance=true", workflow="relay-chain-v0")
     assert [m["step"] for m in resumed if "mas/success_rate" in m["data"]] == [3]
     step3 = next(m["data"] for m in resumed if "mas/success_rate" in m["data"])
-    assert step3["mas/rollout/weight_bytes"] == base_bytes + 2 * 2 * adapter_bytes  # a fresh rollout: base once
-    assert recipe_runs.gap(step3, "caller") < 1e-4
-    assert step3["mas/drop/no_signal"] == 1.0 and step3["policy/runner/rollout/requests"] > 0
-    assert "policy/caller/actor/grad_norm" in step3 and not any(k.startswith("policy/runner/actor/") for k in step3)
-    for policy, steps_after in (("caller", 3.0), ("runner", 2.0)):
-        for step, expected in ((2, 2.0), (3, steps_after)):
-            optim = torch.load(run_dir / "checkpoints" / f"global_step_{step}" / "actor" / "adapters" / policy
-                               / "optim_world_size_1_rank_0.pt", weights_only=False)["optimizer"]
-            assert {float(v["step"]) for v in optim["state"].values()} == {expected}, (policy, step)
-    print(f"[per-role-lora] base {base_bytes} bytes resident once; {2 * adapter_bytes} adapter bytes synced a step; "
-          "optimiser steps 2 -> 3 for the caller across the restart, 2 -> 2 for the runner without signal")
+    # A fresh rollout of two replicas: the base once on each
+    assert step3["mas/rollout/weight_bytes"] == DP * (base_bytes + 2 * len(CHAIN) * adapter_bytes)
+    updated = [p for p in CHAIN if f"policy/{p}/actor/grad_norm" in step3]
+    assert updated and "runner" not in updated and step3["mas/drop/no_signal"] == len(CHAIN) - len(updated)
+    assert all(recipe_runs.gap(step3, p) < 1e-4 for p in updated) and step3["policy/runner/rollout/requests"] > 0
+    for policy in CHAIN:
+        assert (policy in updated) == any(k.startswith(f"policy/{policy}/actor/") for k in step3)
+        for step, expected in ((2, 2.0), (3, 3.0 if policy in updated else 2.0)):
+            for rank in range(DP):
+                optim = torch.load(run_dir / "checkpoints" / f"global_step_{step}" / "actor" / "adapters" / policy
+                                   / f"optim_world_size_{DP}_rank_{rank}.pt", weights_only=False)["optimizer"]
+                assert {float(v["step"]) for v in optim["state"].values()} == {expected}, (policy, step, rank)
+    print(f"[per-role-lora] base {base_bytes} bytes resident once on {DP} ranks; {len(CHAIN) * adapter_bytes} adapter "
+          f"bytes synced to each of {DP} replicas a step; across the restart optimiser steps 2 -> 3 on both ranks for "
+          f"{', '.join(updated)} (signal at step 3), 2 -> 2 for the others")

@@ -13,8 +13,10 @@ from verl_mas.testing import RandomLLM, ScriptedLLM, check_workflow, run_workflo
 from verl_mas.workflows.relay import (
     ACTION_WORDS,
     MESSAGE_LENGTH,
+    RelayChainWorkflow,
     RelayWorkflow,
     caller_local_reward,
+    encode,
     parse_word,
     runner_rewards,
 )
@@ -25,6 +27,8 @@ TASK = {"message": ["red", "blue"]}
 def test_registered_as_a_builtin():
     assert get_workflow("relay-v0") is RelayWorkflow
     assert RelayWorkflow.roles == ("caller", "runner")
+    assert get_workflow("relay-chain-v0") is RelayChainWorkflow
+    assert RelayChainWorkflow.roles == ("caller", "courier", "runner")
 
 
 @pytest.mark.parametrize(
@@ -183,3 +187,71 @@ def test_held_out_relay_tasks_are_new_word_pairs_whose_every_prompt_occurs_in_tr
     for name, path in quoted.items():
         text = " ".join(path.read_text().split())
         assert "also occurs in training" in text.replace("# ", ""), f"{name} quotes held-out success without the caveat"
+
+
+# ---- relay-chain-v0: three roles in sequence, the courier passes the word on encoded --------------------
+
+
+def test_the_couriers_code_is_the_next_action_word_cyclically():
+    assert [encode(w) for w in ("red", "blue", "lime", "navy")] == ["blue", "green", "navy", "red"]
+    assert sorted(encode(w) for w in ACTION_WORDS) == sorted(ACTION_WORDS)  # a permutation: decodable
+
+
+def test_chain_episode_rewards_each_role_on_what_it_saw_and_only_the_runner_delivers():
+    llm = ScriptedLLM(
+        {
+            # turn 0 (target red): red, blue, red, junk -> commits red | turn 1 (target blue): blue x4
+            "caller": ["red", "blue", "red", "zzz"] + ["blue"] * 4,
+            # turn 0 heard red, its code is blue: red, blue, gold, blue -> commits blue (#1) |
+            # turn 1 heard blue, code green: green, green, blue, zzz -> commits green (#0)
+            "courier": ["red", "blue", "gold", "blue"] + ["green", "green", "blue", "zzz"],
+            # turn 0 heard blue (the code of red): red delivers; blue (a faithful copy) does not |
+            # turn 1 heard green: blue delivers
+            "runner": ["blue", "red", "gold", "red"] + ["green", "pink", "blue", "blue"],
+        }
+    )
+    ep = run_workflow(RelayChainWorkflow, TASK, llm=llm, branching=4, max_turns=4)
+    assert not ep.validate()
+    (c0, k0, r0), (c1, k1, r1) = ep.turns
+    assert c0.messages[-1]["content"] == "caller red"
+    assert [c.reward for c in c0.all] == [1.0, 0.0, 1.0, 0.0] and c0.committed.index == 0
+    # The courier sees the caller's committed word (never the target) and is paid for its code.
+    assert k0.messages[-1]["content"] == "courier red"
+    assert [c.local_reward for c in k0.all] == [0.0, 1.0, 0.0, 1.0] and k0.committed.index == 1
+    assert [c.reward for c in k0.all] == [0.0, 1.0, 0.0, 1.0]  # no team part before the runner acts
+    # The runner sees the courier's committed word and is paid (team) for the target only.
+    assert r0.messages[-1]["content"] == "runner blue"
+    assert [c.team_reward for c in r0.all] == [0.0, 1.0, 0.0, 1.0] and r0.committed.index == 1
+    assert [c.local_reward for c in r0.all] == [0.0] * 4
+    assert c1.messages[-1]["content"] == "caller blue" and k1.messages[-1]["content"] == "courier blue"
+    assert [c.reward for c in k1.all] == [1.0, 1.0, 0.0, 0.0]
+    assert r1.messages[-1]["content"] == "runner green"
+    assert [c.reward for c in r1.all] == [0.0, 0.0, 1.0, 1.0]
+    assert ep.terminated and ep.num_turns == 2
+    assert (ep.metrics["mas/success"], ep.metrics["mas/delivered"]) == (1.0, 1.0)
+
+
+def test_a_chain_that_copies_instead_of_encoding_never_delivers():
+    # Every role repeats what it hears (relay-v0's solution): the runner hears the target itself, not its code.
+    ep = run_workflow(RelayChainWorkflow, TASK, llm={"caller": "red", "courier": "red", "runner": "red"}, max_turns=2)
+    for caller, courier, runner in ep.turns:
+        assert runner.messages[-1]["content"] == "runner red"
+        assert [c.reward for c in courier.all] == [0.0] * 4  # red is not the code of red
+    assert ep.turns[0][2].all[0].reward == 1.0  # turn 0's target is red: the runner's red delivers it by luck
+    assert (ep.metrics["mas/success"], ep.metrics["mas/delivered"]) == (0.0, 0.5)
+
+
+def test_chain_check_workflow_random_play_and_tokenizer():
+    from verl_mas.tiny import build_tokenizer
+
+    check_workflow(RelayChainWorkflow, TASK)
+    episodes = [run_workflow(RelayChainWorkflow, TASK, llm=RandomLLM(seed), seed=seed) for seed in range(40)]
+    assert 0 < sum(ep.metrics["mas/success"] for ep in episodes) < len(episodes)
+    tok = build_tokenizer(vocab=RelayChainWorkflow.vocabulary)
+    ep = run_workflow(RelayChainWorkflow, TASK, llm={"caller": "zzz", "courier": "navy", "runner": "red"},
+                      tokenizer=tok, max_turns=1)
+    assert [g.messages[-1]["content"] for g in ep.groups] == ["caller red", "courier nothing", "runner navy"]
+    for g in ep.groups:
+        content = g.messages[-1]["content"]
+        assert tok.decode(tok.encode(content, add_special_tokens=False)) == content
+        assert len(tok.encode(content, add_special_tokens=False)) == 2

@@ -161,10 +161,28 @@ def test_per_role_metrics_split_the_reward_and_follow_the_committed_candidates()
     assert "mas/b/team_reward/mean" not in out and "mas/b/local_reward/mean" not in out
 
 
+def test_a_session_sampled_on_two_replicas_is_counted_and_one_without_a_replica_is_not() -> None:
+    """mas/rollout/sessions_split: (episode, role) sessions whose rows more than one replica sampled."""
+    from dataclasses import replace
+
+    base = _row("a", 0.0, committed=False)
+    placed = [("e0", "a", 0), ("e0", "a", 0), ("e0", "b", 1), ("e0", "b", 1),  # two sessions, each on one replica
+              ("e1", "a", 1), ("e1", "a", 0),  # one session split over replicas 1 and 0
+              ("e1", "b", -1)]  # a backend that does not name its replica: left out
+    rows = [replace(base, role=role, replica=replica) for _, role, replica in placed]
+    padding = np.zeros(len(rows), dtype=bool)
+    groups = assign_groups(rows, ["t"] * len(rows), padding, MasConfig(branching=2))
+    out = mas_metrics(rows, groups, padding, [episode for episode, _, _ in placed])
+    assert (out["mas/rollout/sessions"], out["mas/rollout/sessions_split"]) == (3.0, 1.0)
+    # No row names a replica (a backend without the field): no such metric rather than a vacuous 0.
+    unplaced = [replace(r, replica=-1) for r in rows]
+    assert "mas/rollout/sessions_split" not in mas_metrics(unplaced, groups, padding, ["e"] * len(rows))
+
+
 def test_the_row_contract_round_trips_and_a_foreign_row_is_named() -> None:
     row = _row("a", 1.0, committed=True, team=1.0, local=0.25)
     extra = row.to_extra_fields()
-    assert all(key.startswith("mas_") for key in extra) and len(extra) == 11
+    assert all(key.startswith("mas_") for key in extra) and len(extra) == 12
     assert CandidateRow.from_extra_fields({**extra, "global_steps": 3}) == row
     # A row another agent loop wrote (verl's own fields only) or one missing a field is refused by name.
     with pytest.raises(ValueError, match=r"lacks the fields \['mas_workflow', 'mas_role'"):

@@ -46,6 +46,7 @@ from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopMetr
 from verl.trainer.ppo.v1.agent_loop_tq import apply_greedy_sampling_params
 from verl.workers.config import SamplingConfig
 
+from verl_mas.backends.counters import REPLICA_FIELD
 from verl_mas.client import GenerateRequest, Sample, fan_out
 from verl_mas.config import MasConfig, MasConfigError, mas_trainer_selected
 from verl_mas.engine import run_episode
@@ -458,6 +459,7 @@ class MasAgentLoop(AgentLoopBase):
             prompt_hash=prompt_hash(cand.prompt_ids),
             episode_index=index,
             episode_metrics=episode_metrics,
+            replica=int(cand.extra.get(REPLICA_FIELD, -1)),
         )
         extra = {
             **row.to_extra_fields(),

@@ -53,6 +53,8 @@ class CandidateRow:
     """Its position among its episode's rows (row 0 stands for the episode in episode-level metrics)."""
     episode_metrics: Mapping[str, float] = field(default_factory=dict)
     """The episode's metrics (``mas/success``, workflow metrics), the same on every row of the episode."""
+    replica: int = -1
+    """The rollout replica (of its policy) that sampled it, as the server said; -1 when the backend does not say."""
 
     def to_extra_fields(self) -> dict[str, Any]:
         """The row's fields as verl ``extra_fields`` entries (``mas_<field>``)."""
@@ -88,6 +90,7 @@ class CandidateRow:
             prompt_hash=int(extra[FIELD_PREFIX + "prompt_hash"]),
             episode_index=int(extra[FIELD_PREFIX + "episode_index"]),
             episode_metrics=dict(extra[FIELD_PREFIX + "episode_metrics"] or {}),
+            replica=int(extra[FIELD_PREFIX + "replica"]),
         )
 
 

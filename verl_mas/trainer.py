@@ -377,6 +377,8 @@ def mas_metrics(
     (an infrastructure failure in its first group) leaves no row, and is counted as aborted and as not
     successful (``mas/episodes_without_samples`` counts them). ``mas/success_rate`` counts an aborted
     episode as a failure; ``mas/success_rate_completed`` is the rate over episodes that ran to their end.
+    ``mas/rollout/sessions_split`` counts the (episode, role) sessions whose rows more than one rollout replica
+    sampled (0 while verl's load balancer keeps each session on its server).
     """
     roles, turns, rewards, ids = groups.roles, groups.turns, groups.rewards, groups.ids
     real = ~padding
@@ -413,6 +415,15 @@ def mas_metrics(
             out[k] = float(np.sum(values))  # counts over the batch
         else:
             out[k] = float(np.mean(values))
+    # Session affinity: the K candidates and the turns of one (episode, role) belong on one replica of its policy
+    # (its prefix cache); backends that name the replica that sampled a row let this be checked on every step.
+    replicas_of: dict[tuple[str, str], set[int]] = defaultdict(set)
+    for i in np.flatnonzero(real):
+        if rows[i].replica >= 0:
+            replicas_of[(episodes[i], rows[i].role)].add(rows[i].replica)
+    if replicas_of:
+        out["mas/rollout/sessions"] = float(len(replicas_of))
+        out["mas/rollout/sessions_split"] = float(sum(len(r) > 1 for r in replicas_of.values()))
     seen = len(per_episode)
     total = max(seen, expected_episodes or 0)
     missing = total - seen

@@ -74,7 +74,7 @@ class MultiPolicyTrainer:
         self.stacks: dict[str, PolicyStack] = {}
         self._policy_keys: dict[str, list[str]] = {}
         self._resume_folder: str | None = None
-        self._last_server_stats: dict[str, dict[str, int]] = {}
+        self._last_server_stats: dict[str, dict[str, Any]] = {}
         # One resident base, one LoRA adapter per policy (mas.lora_base=shared): None, or policy -> adapter spec.
         self._adapters = adapter_plan(self._policy_configs) if self.mas.multi_policy else None
         super().__init__(config)  # type: ignore[call-arg]  (verl's trainer, next in the MRO)
@@ -348,35 +348,40 @@ class MultiPolicyTrainer:
         return result
 
     def _server_metrics(self) -> dict[str, float]:
-        """Requests served and weight updates per policy since the last step, and the bytes the weight syncs
-        loaded (``mas/rollout/weight_bytes``, also with one policy), for rollout backends with ``stats``."""
+        """What each policy's rollout replicas did since the last step, for rollout backends with ``stats``
+        (``policy/<name>/rollout/...`` with several policies, ``mas/rollout/...`` with one): ``requests`` and
+        ``weight_updates`` summed over the replicas, and per replica as ``replica<i>/...`` when there are several;
+        and the bytes the weight syncs loaded (``mas/rollout/weight_bytes``)."""
         import ray
 
         out: dict[str, float] = {}
-        weight_bytes, servers = 0.0, {}  # the adapters of a shared base read one rollout's counters once
+        weight_bytes, reads = 0.0, {}  # the adapters of a shared base read one rollout's replicas once
         for name, stack in self.stacks.items():
-            first_read = id(stack.server_manager) not in servers
+            first_read = id(stack.server_manager) not in reads
             if first_read:
-                totals: dict[str, int] = defaultdict(int)
+                replicas = []
                 for replica in stack.server_manager.get_replicas():
                     handle = getattr(replica, "_server_handle", None)
                     if handle is None or not hasattr(handle, "stats"):
                         return {}
-                    for k, v in ray.get(handle.stats.remote()).items():
-                        totals[k] += int(v)
-                servers[id(stack.server_manager)] = totals
-            totals = servers[id(stack.server_manager)]
+                    replicas.append(ray.get(handle.stats.remote()))
+                reads[id(stack.server_manager)] = replicas
+            replicas = reads[id(stack.server_manager)]
             # On a shared base the one rollout counts each adapter's requests.
-            served = totals[f"requests:{stack.adapter}"] if stack.shares_base else totals["requests"]
-            last = self._last_server_stats.get(name, {})
-            if self.mas.multi_policy:
-                out[f"policy/{name}/rollout/requests"] = float(served - last.get("served", 0))
-                out[f"policy/{name}/rollout/weight_updates"] = float(
-                    totals["weight_updates"] - last.get("weight_updates", 0))
+            key = f"requests:{stack.adapter}" if stack.shares_base else "requests"
+            now = {"requests": [int(r.get(key, 0)) for r in replicas],
+                   "weight_updates": [int(r["weight_updates"]) for r in replicas]}
+            last = self._last_server_stats.get(name, {k: [0] * len(replicas) for k in now})
+            prefix = f"policy/{name}/rollout" if self.mas.multi_policy else "mas/rollout"
+            for counter, values in now.items():
+                deltas = [n - n0 for n, n0 in zip(values, last[counter], strict=True)]
+                out[f"{prefix}/{counter}"] = float(sum(deltas))
+                if len(replicas) > 1:
+                    out.update({f"{prefix}/replica{i}/{counter}": float(d) for i, d in enumerate(deltas)})
+            total_bytes = sum(int(r["weight_bytes"]) for r in replicas)
             if first_read:
-                weight_bytes += totals["weight_bytes"] - last.get("weight_bytes", 0)
-            self._last_server_stats[name] = {"served": served, "weight_updates": totals["weight_updates"],
-                                             "weight_bytes": totals["weight_bytes"]}
+                weight_bytes += total_bytes - last.get("weight_bytes", 0)
+            self._last_server_stats[name] = {**now, "weight_bytes": total_bytes}
         out["mas/rollout/weight_bytes"] = weight_bytes
         return out
 

@@ -13,6 +13,7 @@ BUILTIN_WORKFLOWS: dict[str, str] = {
     "toy-walk-v0": "verl_mas.workflows.toy:WalkWorkflow",
     "toy-agree-v0": "verl_mas.workflows.toy:AgreeWorkflow",
     "relay-v0": "verl_mas.workflows.relay:RelayWorkflow",
+    "relay-chain-v0": "verl_mas.workflows.relay:RelayChainWorkflow",
     "sudoku-v0": "verl_mas.workflows.sudoku:SudokuWorkflow",
     "sudoku-9x9-v0": "verl_mas.workflows.sudoku:Sudoku9Workflow",
     "sudoku-single-v0": "verl_mas.workflows.sudoku:SudokuSingleWorkflow",

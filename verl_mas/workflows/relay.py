@@ -20,15 +20,17 @@ import random
 from typing import Any, ClassVar
 
 from verl_mas.chat import user
-from verl_mas.registry import register_workflow
+from verl_mas.registry import register_workflow, workflow_name
 from verl_mas.workflow import Workflow
 
 __all__ = [
     "ACTION_WORDS",
     "MESSAGE_LENGTH",
     "NOTHING",
+    "RelayChainWorkflow",
     "RelayWorkflow",
     "caller_local_reward",
+    "encode",
     "parse_word",
     "runner_rewards",
 ]
@@ -64,6 +66,11 @@ def parse_word(text: str) -> str | None:
 def caller_local_reward(word: str | None, target: str) -> float:
     """``[word == target]``: 1.0 for naming the word to deliver, else 0.0 (unparsable answers included)."""
     return float(word is not None and word == target)
+
+
+def encode(word: str) -> str:
+    """relay-chain-v0's code: the action word after ``word`` in :data:`ACTION_WORDS` (``"navy"`` -> ``"red"``)."""
+    return ACTION_WORDS[(ACTION_WORDS.index(word) + 1) % len(ACTION_WORDS)]
 
 
 def runner_rewards(word: str | None, heard: str | None, target: str) -> tuple[float, float]:
@@ -131,28 +138,54 @@ class RelayWorkflow(Workflow):
         bad = [w for w in message if w not in ACTION_WORDS]
         if not message or bad:
             raise ValueError(
-                f"relay-v0 task {task!r} has words {bad!r} outside ACTION_WORDS {ACTION_WORDS} (or is empty). "
+                f"{workflow_name(type(self))} task {task!r} has words {bad!r} outside ACTION_WORDS {ACTION_WORDS} (or is empty). "
                 "A message is a non-empty list of action words; build tasks with RelayWorkflow.generate_task."
             )
         delivered = 0
         for _ in self.turns():
             target = message[delivered]
-            calls = await self.generate("caller", [user(f"caller {target}")])
-            for c in calls:
-                word = parse_word(c.text)
-                c.parse_failed = word is None
-                c.local_reward = caller_local_reward(word, target)
-            heard = parse_word(calls.best().text)
-
-            # Same-turn conditioning: the runner's prompt holds the word committed a moment ago.
-            runs = await self.generate("runner", [user(f"runner {heard or NOTHING}")])
-            for r in runs:
-                word = parse_word(r.text)
-                r.parse_failed = word is None
-                r.team_reward, r.local_reward = runner_rewards(word, heard, target)
-            if parse_word(runs.best().text) == target:  # commit: only the best runner word can deliver
+            heard: str | None = target  # the first role sees the word to deliver itself
+            for position, role in enumerate(self.roles):
+                # Same-turn conditioning: each later role's prompt holds the word committed a moment ago.
+                nodes = await self.generate(role, [user(f"{role} {heard or NOTHING}")])
+                last = position == len(self.roles) - 1
+                for c in nodes:
+                    word = parse_word(c.text)
+                    c.parse_failed = word is None
+                    if last:
+                        c.team_reward, c.local_reward = runner_rewards(word, heard, target)
+                    else:
+                        c.local_reward = caller_local_reward(word, self.expected_word(role, target))
+                heard = parse_word(nodes.best().text)
+            if heard == target:  # commit: only the last role's best word can deliver
                 delivered += 1
                 if delivered == len(message):
                     self.terminate()
         self.metrics["mas/success"] = float(delivered == len(message))
         self.metrics["mas/delivered"] = delivered / len(message)
+
+    def expected_word(self, role: str, target: str) -> str:
+        """The word a role before the last one is rewarded for naming when ``target`` is to be delivered: the
+        target itself (relay-v0's caller)."""
+        return target
+
+
+@register_workflow("relay-chain-v0")
+class RelayChainWorkflow(RelayWorkflow):
+    """relay-v0 with three roles in sequence, each seeing only what the one before it committed this turn.
+
+    The **caller** sees the next word to deliver and names it (``local = [word == target]``); the **courier**
+    sees the caller's committed word and passes it on *encoded*: the word after it in :data:`ACTION_WORDS`
+    (cyclically; ``local = [word == encode(target)]``); the **runner** sees the courier's committed word and
+    delivers (``team = [word == target]``, ``local = 0``, as relay-v0's runner). The code makes the three jobs
+    different mappings (identity, +1, -1), so a policy trained in one role is of no use in another (the role-swap
+    check means something) and a shared model must condition on the role's name. Neither later role sees the
+    target; only the runner's committed word delivers. Same tasks, turns and metrics as relay-v0.
+    """
+
+    roles = ("caller", "courier", "runner")
+    vocabulary: ClassVar[tuple[str, ...]] = (*ACTION_WORDS, "caller", "courier", "runner", NOTHING)
+
+    def expected_word(self, role: str, target: str) -> str:
+        """The caller names the target; the courier its code, :func:`encode`."""
+        return encode(target) if role == "courier" else target

@@ -26,6 +26,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from verl.workers.rollout.replica import RolloutReplica, TokenOutput
 
 from verl_mas.backends import diagnostic_after
+from verl_mas.backends.counters import REPLICA_FIELD, RequestCounter
 from verl_mas.backends.hf import BACKEND_NAME, FREEZE_WEIGHTS_ENV
 from verl_mas.backends.hf.engine import HFGenerationEngine, settings_from_verl
 from verl_mas.policies.adapters import rollout_adapters
@@ -55,7 +56,7 @@ class HFRolloutServer:
         self.replica_rank = replica_rank
         self.node_rank = node_rank
         self.global_steps = 0
-        self.requests_served = 0
+        self.counter = RequestCounter()
         path = getattr(model_config, "local_path", None) or model_config.path
         # Several rollout servers share the machine's cores with the trainer: keep each one small.
         torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
@@ -65,7 +66,6 @@ class HFRolloutServer:
         )
         # A shared LoRA base (mas.lora_base=shared): every request names its adapter; the first sync creates them.
         self.engine.expects_adapters = rollout_adapters(config) is not None
-        self.requests_by_adapter: dict[str, int] = {}
         self.engine.freeze_after = diagnostic_after(os.environ.get(FREEZE_WEIGHTS_ENV), FREEZE_WEIGHTS_ENV)
         if self.engine.freeze_after is not None:
             logger.warning(
@@ -105,14 +105,12 @@ class HFRolloutServer:
             default_ignore_eos=bool(getattr(self.config, "ignore_eos", False)),
         )
         result = await self.engine.generate([int(t) for t in prompt_ids], settings, adapter=adapter)
-        self.requests_served += 1
-        if adapter is not None:
-            self.requests_by_adapter[adapter] = self.requests_by_adapter.get(adapter, 0) + 1
+        self.counter.count(adapter)
         return TokenOutput(
             token_ids=result.token_ids,
             log_probs=result.log_probs if settings.want_logprobs else None,
             stop_reason=result.stop_reason,
-            extra_fields={"global_steps": int(self.global_steps)},
+            extra_fields={"global_steps": int(self.global_steps), REPLICA_FIELD: int(self.replica_rank)},
         )
 
     async def update_weights(self, named_tensors: list[tuple[str, torch.Tensor]], global_steps: int | None = None) -> int:
@@ -137,12 +135,10 @@ class HFRolloutServer:
         return self.engine.num_weight_updates
 
     def stats(self) -> dict[str, int]:
-        """Counters since start: requests served, weight updates loaded and their bytes, and on a shared LoRA
-        base the requests per adapter (``requests:<adapter>``); the trainer logs them per policy."""
-        out = {"requests": int(self.requests_served), "weight_updates": int(self.engine.num_weight_updates),
-               "weight_bytes": int(self.engine.weight_bytes_loaded)}
-        out.update({f"requests:{name}": int(n) for name, n in self.requests_by_adapter.items()})
-        return out
+        """Counters since start: requests served (per adapter on a shared LoRA base: ``requests:<adapter>``),
+        weight updates loaded and their bytes; the trainer logs them per policy and replica."""
+        return {**self.counter.stats(), "weight_updates": int(self.engine.num_weight_updates),
+                "weight_bytes": int(self.engine.weight_bytes_loaded)}
 
     def set_global_steps(self, global_steps: int) -> None:
         self.global_steps = int(global_steps)

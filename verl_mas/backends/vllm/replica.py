@@ -21,6 +21,7 @@ import ray
 from verl.workers.rollout.vllm_rollout.vllm_async_server import vLLMHttpServer, vLLMReplica
 
 from verl_mas.backends import diagnostic_after
+from verl_mas.backends.counters import REPLICA_FIELD, RequestCounter
 from verl_mas.backends.vllm import SWAP_ADAPTERS_ENV, server_name_prefix, weight_socket_job
 from verl_mas.policies.adapters import rollout_adapters
 from verl_mas.policies.configs import rollout_policy
@@ -86,11 +87,10 @@ class PolicyVLLMHttpServer(vLLMHttpServer):
         self.policy = rollout_policy(self.config)
         # Read by the vLLM worker processes the server starts (launch_server), so set before they exist.
         os.environ[_JOB_ENV] = weight_socket_job(os.environ[_JOB_ENV], self.policy)
-        self.requests_served = 0
+        self.counter = RequestCounter()
         self.weight_updates = 0
         self.weight_bytes = 0  # bytes loaded by the weight syncs, summed over this server's vLLM workers
         self.adapters = rollout_adapters(self.config)  # None unless a shared LoRA base
-        self.requests_by_adapter: dict[str, int] = {}
         self._loaded_adapters: set[int] = set()
 
     def _get_worker_extension_cls(self) -> str:
@@ -117,7 +117,8 @@ class PolicyVLLMHttpServer(vLLMHttpServer):
             self.engine = _AdapterEngine(self.engine, adapter_ids(self.adapters),
                                          swap=lambda: swap_after is not None and self.weight_updates > swap_after)
 
-    async def generate(self, *args: Any, adapter: str | None = None, **kwargs: Any) -> Any:
+    async def generate(self, prompt_ids: list[int], sampling_params: dict[str, Any], request_id: str, *args: Any,
+                       adapter: str | None = None, **kwargs: Any) -> Any:
         if self.adapters:
             await self._check_adapter(adapter)
         elif adapter is not None:
@@ -125,12 +126,11 @@ class PolicyVLLMHttpServer(vLLMHttpServer):
                              "(adapters of one base come with mas.lora_base=shared).")
         token = _REQUEST_ADAPTER.set(adapter)
         try:
-            out = await super().generate(*args, **kwargs)
+            out = await super().generate(prompt_ids, sampling_params, request_id, *args, **kwargs)
         finally:
             _REQUEST_ADAPTER.reset(token)
-        self.requests_served += 1
-        if adapter is not None:
-            self.requests_by_adapter[adapter] = self.requests_by_adapter.get(adapter, 0) + 1
+        self.counter.count(adapter)
+        out.extra_fields[REPLICA_FIELD] = int(self.replica_rank)
         return out
 
     async def _check_adapter(self, adapter: str | None) -> None:
@@ -158,13 +158,11 @@ class PolicyVLLMHttpServer(vLLMHttpServer):
         self.weight_bytes += sync_bytes(answers)
 
     def stats(self) -> dict[str, int]:
-        """Counters since start: requests served, weight syncs loaded and their bytes (summed over the server's
-        vLLM workers: with tensor parallelism each worker loads the full tensors), and on a shared LoRA base the
-        requests per adapter (``requests:<adapter>``); the trainer logs them per policy."""
-        out = {"requests": int(self.requests_served), "weight_updates": int(self.weight_updates),
-               "weight_bytes": int(self.weight_bytes)}
-        out.update({f"requests:{name}": int(n) for name, n in self.requests_by_adapter.items()})
-        return out
+        """Counters since start: requests served (per adapter on a shared LoRA base: ``requests:<adapter>``),
+        weight syncs loaded and their bytes (summed over the server's vLLM workers: with tensor
+        parallelism each worker loads the full tensors); the trainer logs them per policy and replica."""
+        return {**self.counter.stats(), "weight_updates": int(self.weight_updates),
+                "weight_bytes": int(self.weight_bytes)}
 
     def weight_socket_job(self) -> str:
         """The job part of this server's weight socket path (tests compare it with the adapter's)."""
