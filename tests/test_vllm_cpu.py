@@ -181,6 +181,8 @@ def _two_policy_run(recipe_runs, tmp_path: Path, tag: str, *overrides: str, sync
         # episode counted.
         assert d["mas/group/size_mean"] == K and d["mas/group/singleton_frac"] == 0.0
         assert d["mas/infra_failures"] == 0.0 and d["mas/episodes"] == TASKS
+        # Every sample names the vLLM replica that sampled it: one (episode, role) session per task and role.
+        assert (d["mas/rollout/sessions"], d["mas/rollout/sessions_split"]) == (2 * TASKS, 0.0)
     print()
     assert max(m["data"]["policy/caller/actor/grad_norm"] for m in steps) > 0
     return run_dir, steps, later
@@ -422,6 +424,8 @@ def test_every_gpu_recipes_settings_run_on_cpu_with_vllm(tmp_path: Path, recipe_
         assert len(val) == 2, [sorted(m["data"]) for m in metrics]  # before training and after the last step
         d = train[0]["data"]
         assert d["mas/infra_failures"] == 0.0 and d["mas/group/size_mean"] == 4.0
+        # Each sample names the vLLM replica that sampled it; every (episode, role) session stayed on one replica.
+        assert d["mas/rollout/sessions"] > 0 and d["mas/rollout/sessions_split"] == 0.0
         print(f"[vllm-recipes] {name} (settings of {', '.join(recipes)}): step 1 gap="
               f"{recipe_runs.gap(d):.1e} episodes={d['mas/episodes']:.0f} step_s={d['timing_s/step']:.1f}")
 
