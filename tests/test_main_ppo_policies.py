@@ -20,6 +20,7 @@ tests/test_shared_lora_cpu.py, here end to end on the counts, the synced bytes a
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -57,6 +58,50 @@ def _val_outputs(path: Path) -> list[tuple[str, str]]:
     """The (prompt, response) pairs of a validation dump, sorted (verl orders them by fresh random uids)."""
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     return sorted((r["input"], r["output"]) for r in rows)
+
+
+@contextlib.contextmanager
+def _two_node_cluster(temp_dir: Path):
+    """A two-node Ray cluster (tests/_two_node_cluster.py) started with ``VERL_PLATFORM=cpu``, as a CPU cluster's
+    nodes would be; yields its address, then shuts it down."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VERL_")}
+    env["VERL_PLATFORM"] = "cpu"
+    temp_dir.mkdir(parents=True)
+    proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("_two_node_cluster.py")), str(temp_dir)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True)
+    try:
+        address = proc.stdout.readline().strip()
+        assert address, f"the two-node cluster did not start (exit {proc.poll()})"
+        yield address
+    finally:
+        proc.stdin.close()
+        proc.wait(timeout=120)
+
+
+def _placement(address: str) -> list[dict]:
+    """Where the last job's workers and rollout servers ran, from Ray's state API: ``{kind, policy, node_id}``
+    each. A worker belongs to the policy whose resource pool holds its placement group (``mas_policy_<name>``;
+    verl's own pool is the first policy's); a server names its policy (``hf_server_..._<policy>``)."""
+    code = """
+import json, sys, ray
+from ray.util.state import list_actors, list_placement_groups
+ray.init(address=sys.argv[1], log_to_driver=False)
+groups = {g.placement_group_id: g.name for g in list_placement_groups(detail=True, limit=10000)}
+print(json.dumps([{"class": a.class_name, "name": a.name, "node_id": a.node_id, "group": groups.get(a.placement_group_id)}
+                  for a in list_actors(detail=True, limit=10000)]))
+"""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VERL_")}
+    proc = subprocess.run([sys.executable, "-c", code, address], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    placed = []
+    for actor in json.loads(proc.stdout.strip().splitlines()[-1]):
+        if actor["name"] and actor["name"].startswith("hf_server_"):
+            placed.append({"kind": "rollout server", "node_id": actor["node_id"],
+                           "policy": "runner" if actor["name"].endswith("_runner") else "caller"})
+        elif actor["class"].endswith("WorkerDict") and actor["group"]:
+            placed.append({"kind": "worker", "node_id": actor["node_id"],
+                           "policy": "runner" if actor["group"].startswith("mas_policy_runner") else "caller"})
+    return placed
 
 
 @pytest.mark.slow
@@ -117,11 +162,23 @@ def test_per_role_models_of_different_sizes_train_route_sync_save_and_resume(tmp
     # policy: greedy validation before the resumed step reproduces the validation after step 2 exactly
     # (same weights in both policies' servers), and every policy's optimiser continues its count (Adam's
     # step is 3 in the step-3 checkpoint; a policy restarted from scratch would have 1).
-    # The resumed run also moves the runner to a resource pool of its own (a second logical GPU), where
-    # its log-probs and update run concurrently with the caller's.
-    resumed = _run(run_dir, recipe_runs.relay_shape, *policies, "trainer.total_training_steps=3", "trainer.val_before_train=True",
-                   "trainer.test_freq=3", f"trainer.validation_data_dir={run_dir / 'val2'}", "trainer.save_freq=3",
-                   "+mas.policies.runner.resources={n_gpus_per_node: 1}", "ray_kwargs.ray_init.num_gpus=2")
+    # The resumed run joins a two-node Ray cluster (one logical GPU a node) and moves the runner to a resource
+    # pool of its own, which only the other node can hold: its workers and rollout server run there, and its
+    # log-probs and update run concurrently with the caller's.
+    with _two_node_cluster(tmp_path / "ray") as address:
+        resumed = _run(run_dir, recipe_runs.relay_shape, *policies, "trainer.total_training_steps=3",
+                       "trainer.val_before_train=True", "trainer.test_freq=3",
+                       f"trainer.validation_data_dir={run_dir / 'val2'}", "trainer.save_freq=3",
+                       "+mas.policies.runner.resources={n_gpus_per_node: 1}", f"ray_kwargs.ray_init.address={address}",
+                       "ray_kwargs.ray_init.num_cpus=null", "ray_kwargs.ray_init.num_gpus=null")
+        placed = _placement(address)
+    # From Ray: every worker and rollout server of a policy on one node, the two policies on different nodes.
+    nodes = {policy: {a["node_id"] for a in placed if a["policy"] == policy} for policy in ("caller", "runner")}
+    kinds = {policy: sorted({a["kind"] for a in placed if a["policy"] == policy}) for policy in nodes}
+    print(f"[per-role-models] two Ray nodes: caller's workers and servers on {sorted(nodes['caller'])}, the runner's "
+          f"on {sorted(nodes['runner'])} ({kinds})")
+    assert kinds == {"caller": ["rollout server", "worker"], "runner": ["rollout server", "worker"]}, placed
+    assert len(nodes["caller"]) == len(nodes["runner"]) == 1 and nodes["caller"] != nodes["runner"], placed
     new = resumed  # verl's file logger starts metrics.jsonl afresh in every process
     assert [m["step"] for m in new if "mas/success_rate" in m["data"]] == [3]
     step3 = next(m["data"] for m in new if m["step"] == 3 and "mas/success_rate" in m["data"])

@@ -352,6 +352,12 @@ def test_several_trainable_policies_need_a_policy_aware_rollout_backend(tmp_path
         mas, _ = check_run_config(_cpu_recipe(tmp_path, "mas_policies=per_role_models",
                                               f"actor_rollout_ref.rollout.name={backend}"))
         assert mas.multi_policy
+    # verl's prefill/decode replicas (vLLM's too) name their servers without the policy: refused with several.
+    split = "actor_rollout_ref.rollout.disaggregation.enabled=true"
+    with pytest.raises(MasConfigError, match=r"rollout.disaggregation.enabled=true \(on \['caller', 'runner'\]\)"):
+        check_run_config(_cpu_recipe(tmp_path, "mas_policies=per_role_models", "actor_rollout_ref.rollout.name=vllm",
+                                     split))
+    check_run_config(_cpu_recipe(tmp_path, "actor_rollout_ref.rollout.name=vllm", split))  # one shared policy: fine
 
 
 def test_per_policy_settings_reach_the_policys_trainer_view_and_sampling(tmp_path: Path) -> None:

@@ -123,6 +123,14 @@ def shared_rollout_problems(configs: Mapping[str, Any], mas: MasConfig) -> list[
                 "setting for all policies. Set actor_rollout_ref.rollout.val_kwargs.n instead."
             )
     if mas.multi_policy:
+        split = [name for name, c in configs.items() if (c.rollout.get("disaggregation", None) or {}).get("enabled")]
+        if split:
+            out.append(
+                f"several trainable policies ({names}) with rollout.disaggregation.enabled=true (on {split}): verl "
+                "0.9.1's prefill/decode replicas name their servers and weight channels without the policy, so a second "
+                "policy's servers would collide with the first's and its weight sync would not find them. Turn "
+                "disaggregation off, or train one shared policy with it."
+            )
         backends = sorted({str(c.rollout.name) for c in configs.values()} - set(POLICY_AWARE_ROLLOUTS))
         if backends:
             out.append(
