@@ -152,6 +152,8 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--minibatches", type=int, default=2, help="PPO mini-batches per step")
+    parser.add_argument("--weight-decay", type=float, default=0.0,
+                        help="AdamW's decoupled weight decay (verl's actor default: 0.01); 0: plain Adam")
     parser.add_argument("--max-new-tokens", type=int, default=3)
     parser.add_argument("--eval-every", type=int, default=10)
     parser.add_argument("--seed", type=int, default=0)
@@ -169,7 +171,8 @@ def main() -> None:
     tokenizer = build_tokenizer(vocab=workflow.vocabulary,
                                 chat_template=CHAT_TEMPLATE if args.chat == "chatml" else None)
     model = build_model(tokenizer, seed=args.seed)
-    optim = torch.optim.Adam(model.parameters(), lr=args.lr)
+    optim = (torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay) if args.weight_decay
+             else torch.optim.Adam(model.parameters(), lr=args.lr))
     gen = torch.Generator().manual_seed(args.seed)
     client = TorchSampler(model, tokenizer, args.max_new_tokens, gen)
     config = EpisodeConfig(branching=args.k, max_turns=args.turns)

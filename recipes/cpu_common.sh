@@ -5,10 +5,12 @@
 # only (verl_mas.backends.vllm.support), not the default tiny model's 16 (hidden 64 over 4 heads), so a vLLM rollout
 # gets hidden 128 (head size 32), in a directory of its own: a model built for the hf rollout is never reused.
 ROLLOUT=hf
+CLUSTER=
 for arg in "$@"; do
   case "$arg" in
     cpu_rollout=*|+cpu_rollout=*|++cpu_rollout=*) ROLLOUT="${arg#*cpu_rollout=}" ;;
     actor_rollout_ref.rollout.name=*|+actor_rollout_ref.rollout.name=*|++actor_rollout_ref.rollout.name=*) ROLLOUT="${arg#*=}" ;;
+    ray_kwargs.ray_init.address=*) [ "${arg#*=}" = local ] || CLUSTER=1 ;;
   esac
 done
 MODEL="$RUN_DIR/model"; SHAPE=()
@@ -22,3 +24,13 @@ export PYTHONWARNINGS="${PYTHONWARNINGS:-ignore::UserWarning:verl.workers.engine
 # A Ray of its own (ray_kwargs.ray_init.address=local in the yaml), which RAY_ADDRESS would override; to train on a
 # cluster, pass ray_kwargs.ray_init.address=<head:port>.
 unset RAY_ADDRESS
+
+# ray_env NAME...: on a cluster, the overrides that carry these variables to every Ray worker in Ray's runtime
+# environment (a local Ray's workers inherit this shell's environment; a cluster's raylets were started with their
+# own), and that leave the cluster's CPU and GPU counts to it (ray.init refuses them when joining a cluster).
+ray_env() {
+  [ -n "$CLUSTER" ] || return 0
+  RAY_ENV=(ray_kwargs.ray_init.num_cpus=null ray_kwargs.ray_init.num_gpus=null)
+  for name in "$@"; do RAY_ENV+=("+ray_kwargs.ray_init.runtime_env.env_vars.$name='${!name}'"); done
+}
+RAY_ENV=()

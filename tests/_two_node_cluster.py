@@ -2,7 +2,7 @@
 
 Each node is a raylet of its own with one logical GPU slot; the script prints the cluster's address, then keeps
 the cluster up until its stdin closes. The raylets (and so every worker on them) inherit this process's
-environment: the test starts it with ``VERL_PLATFORM=cpu``, as a real CPU cluster's nodes would be started.
+environment, which the test keeps free of verl_mas's settings: a job must bring them in Ray's runtime environment.
 """
 
 from __future__ import annotations

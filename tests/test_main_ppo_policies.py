@@ -23,8 +23,10 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -61,13 +63,14 @@ def _val_outputs(path: Path) -> list[tuple[str, str]]:
 
 
 @contextlib.contextmanager
-def _two_node_cluster(temp_dir: Path):
-    """A two-node Ray cluster (tests/_two_node_cluster.py) started with ``VERL_PLATFORM=cpu``, as a CPU cluster's
-    nodes would be; yields its address, then shuts it down."""
+def _two_node_cluster():
+    """A two-node Ray cluster (tests/_two_node_cluster.py) whose raylets know nothing of verl_mas's CPU settings
+    (no ``VERL_PLATFORM``: the recipe must carry them to every worker in Ray's runtime environment); yields its
+    address, then shuts it down. Its session lives in a short temporary folder: Ray's socket paths must fit in 107
+    bytes."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("VERL_")}
-    env["VERL_PLATFORM"] = "cpu"
-    temp_dir.mkdir(parents=True)
-    proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("_two_node_cluster.py")), str(temp_dir)],
+    temp_dir = tempfile.mkdtemp(prefix="vm-ray-")
+    proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("_two_node_cluster.py")), temp_dir],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True)
     try:
         address = proc.stdout.readline().strip()
@@ -76,32 +79,35 @@ def _two_node_cluster(temp_dir: Path):
     finally:
         proc.stdin.close()
         proc.wait(timeout=120)
+        shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 def _placement(address: str) -> list[dict]:
-    """Where the last job's workers and rollout servers ran, from Ray's state API: ``{kind, policy, node_id}``
-    each. A worker belongs to the policy whose resource pool holds its placement group (``mas_policy_<name>``;
-    verl's own pool is the first policy's); a server names its policy (``hf_server_..._<policy>``)."""
+    """Where the last job's resource pools and rollout servers were, from Ray's control store (it keeps the
+    records of finished jobs): ``{kind, policy, name, nodes}`` each. A policy's workers run in its pool's placement
+    group (named ``mas_policy_<name>...``; verl's own pool is the first policy's); a server names its policy
+    (``hf_server_..._<policy>``)."""
     code = """
 import json, sys, ray
-from ray.util.state import list_actors, list_placement_groups
+from ray._private.state import state
 ray.init(address=sys.argv[1], log_to_driver=False)
-groups = {g.placement_group_id: g.name for g in list_placement_groups(detail=True, limit=10000)}
-print(json.dumps([{"class": a.class_name, "name": a.name, "node_id": a.node_id, "group": groups.get(a.placement_group_id)}
-                  for a in list_actors(detail=True, limit=10000)]))
+groups = [{"name": g["name"], "nodes": sorted(set(g["bundles_to_node_id"].values()))}
+          for g in ray.util.placement_group_table().values()]
+actors = [{"class": a["ActorClassName"], "name": a["Name"], "nodes": [a["Address"]["NodeID"]]}
+          for a in state.actor_table(None).values()]
+print(json.dumps({"groups": groups, "actors": actors}))
 """
     env = {k: v for k, v in os.environ.items() if not k.startswith("VERL_")}
     proc = subprocess.run([sys.executable, "-c", code, address], capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    placed = []
-    for actor in json.loads(proc.stdout.strip().splitlines()[-1]):
-        if actor["name"] and actor["name"].startswith("hf_server_"):
-            placed.append({"kind": "rollout server", "node_id": actor["node_id"],
-                           "policy": "runner" if actor["name"].endswith("_runner") else "caller"})
-        elif actor["class"].endswith("WorkerDict") and actor["group"]:
-            placed.append({"kind": "worker", "node_id": actor["node_id"],
-                           "policy": "runner" if actor["group"].startswith("mas_policy_runner") else "caller"})
-    return placed
+    found = json.loads(proc.stdout.strip().splitlines()[-1])
+    placed = [{"kind": "resource pool", "name": g["name"], "nodes": g["nodes"],
+               "policy": "runner" if g["name"].startswith("mas_policy_runner") else "caller"} for g in found["groups"]]
+    placed += [{"kind": "rollout server", "name": a["name"], "nodes": a["nodes"],
+                "policy": "runner" if a["name"].endswith("_runner") else "caller"}
+               for a in found["actors"] if (a["name"] or "").startswith("hf_server_")]
+    workers = sorted({n for a in found["actors"] if a["class"].endswith("WorkerDict") for n in a["nodes"]})
+    return placed + [{"kind": "workers", "name": "WorkerDict", "nodes": workers, "policy": "both"}]
 
 
 @pytest.mark.slow
@@ -165,20 +171,21 @@ def test_per_role_models_of_different_sizes_train_route_sync_save_and_resume(tmp
     # The resumed run joins a two-node Ray cluster (one logical GPU a node) and moves the runner to a resource
     # pool of its own, which only the other node can hold: its workers and rollout server run there, and its
     # log-probs and update run concurrently with the caller's.
-    with _two_node_cluster(tmp_path / "ray") as address:
+    with _two_node_cluster() as address:
         resumed = _run(run_dir, recipe_runs.relay_shape, *policies, "trainer.total_training_steps=3",
                        "trainer.val_before_train=True", "trainer.test_freq=3",
                        f"trainer.validation_data_dir={run_dir / 'val2'}", "trainer.save_freq=3",
-                       "+mas.policies.runner.resources={n_gpus_per_node: 1}", f"ray_kwargs.ray_init.address={address}",
-                       "ray_kwargs.ray_init.num_cpus=null", "ray_kwargs.ray_init.num_gpus=null")
+                       "+mas.policies.runner.resources={n_gpus_per_node: 1}", f"ray_kwargs.ray_init.address={address}")
         placed = _placement(address)
-    # From Ray: every worker and rollout server of a policy on one node, the two policies on different nodes.
-    nodes = {policy: {a["node_id"] for a in placed if a["policy"] == policy} for policy in ("caller", "runner")}
+    # From Ray: each policy's resource pool and rollout server on one node, the two policies on different nodes,
+    # and worker processes on both.
+    nodes = {policy: {n for a in placed if a["policy"] == policy for n in a["nodes"]} for policy in ("caller", "runner")}
     kinds = {policy: sorted({a["kind"] for a in placed if a["policy"] == policy}) for policy in nodes}
-    print(f"[per-role-models] two Ray nodes: caller's workers and servers on {sorted(nodes['caller'])}, the runner's "
-          f"on {sorted(nodes['runner'])} ({kinds})")
-    assert kinds == {"caller": ["rollout server", "worker"], "runner": ["rollout server", "worker"]}, placed
+    print("[per-role-models] two Ray nodes: " + "; ".join(f"{a['kind']} {a['name']} ({a['policy']}) on "
+                                                         f"{[n[:8] for n in a['nodes']]}" for a in placed))
+    assert kinds == {"caller": ["resource pool", "rollout server"], "runner": ["resource pool", "rollout server"]}, placed
     assert len(nodes["caller"]) == len(nodes["runner"]) == 1 and nodes["caller"] != nodes["runner"], placed
+    assert set(next(a["nodes"] for a in placed if a["kind"] == "workers")) == nodes["caller"] | nodes["runner"]
     new = resumed  # verl's file logger starts metrics.jsonl afresh in every process
     assert [m["step"] for m in new if "mas/success_rate" in m["data"]] == [3]
     step3 = next(m["data"] for m in new if m["step"] == 3 and "mas/success_rate" in m["data"])
