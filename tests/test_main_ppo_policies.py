@@ -68,9 +68,13 @@ def _two_node_cluster():
     (no ``VERL_PLATFORM``: the recipe must carry them to every worker in Ray's runtime environment); yields its
     address, then shuts it down. Its session lives in a short temporary folder: Ray's socket paths must fit in 107
     bytes."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("VERL_")}
     temp_dir = tempfile.mkdtemp(prefix="vm-ray-")
-    proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("_two_node_cluster.py")), temp_dir],
+    # RAY_TMPDIR: the head advertises its address (for a bare ray.init() to join) under Ray's temp folder; in a folder
+    # of its own, no other test's Ray started meanwhile on this machine joins this cluster by mistake.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VERL_")} | {"RAY_TMPDIR": temp_dir}
+    (Path(temp_dir) / "ray").mkdir()  # Ray's folder under RAY_TMPDIR, for the sessions and the address
+    proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("_two_node_cluster.py")),
+                             str(Path(temp_dir) / "ray")],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True)
     try:
         address = proc.stdout.readline().strip()
