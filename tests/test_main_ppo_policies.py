@@ -74,8 +74,8 @@ def _two_node_cluster():
     env = {k: v for k, v in os.environ.items() if not k.startswith("VERL_")} | {"RAY_TMPDIR": temp_dir}
     (Path(temp_dir) / "ray").mkdir()  # Ray's folder under RAY_TMPDIR, for the sessions and the address
     proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("_two_node_cluster.py")),
-                             str(Path(temp_dir) / "ray")],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True)
+                             str(Path(temp_dir) / "ray")],  # its workers start in its folder, not the checkout
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True, cwd=temp_dir)
     try:
         address = proc.stdout.readline().strip()
         assert address, f"the two-node cluster did not start (exit {proc.poll()})"
