@@ -25,12 +25,15 @@ export PYTHONWARNINGS="${PYTHONWARNINGS:-ignore::UserWarning:verl.workers.engine
 # cluster, pass ray_kwargs.ray_init.address=<head:port>.
 unset RAY_ADDRESS
 
-# ray_env NAME...: on a cluster, the overrides that carry these variables to every Ray worker in Ray's runtime
-# environment (a local Ray's workers inherit this shell's environment; a cluster's raylets were started with their
-# own), and that leave the cluster's CPU and GPU counts to it (ray.init refuses them when joining a cluster).
+# ray_env (called once the recipe has exported VERL_FILE_LOGGER_PATH): on a cluster, RAY_ENV holds the overrides
+# that carry the environment above and the logger's path to every Ray worker in Ray's runtime environment (a local
+# Ray's workers inherit this shell's environment; a cluster's raylets were started with their own), and that leave
+# the cluster's CPU and GPU counts to it (ray.init refuses them when joining a cluster).
 ray_env() {
   [ -n "$CLUSTER" ] || return 0
   RAY_ENV=(ray_kwargs.ray_init.num_cpus=null ray_kwargs.ray_init.num_gpus=null)
-  for name in "$@"; do RAY_ENV+=("+ray_kwargs.ray_init.runtime_env.env_vars.$name='${!name}'"); done
+  for name in VERL_PLATFORM TQ_NUM_THREADS PYTHONWARNINGS VERL_FILE_LOGGER_PATH; do
+    RAY_ENV+=("+ray_kwargs.ray_init.runtime_env.env_vars.$name='${!name}'")
+  done
 }
 RAY_ENV=()

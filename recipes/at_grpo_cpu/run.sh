@@ -19,7 +19,7 @@ source "$HERE/../cpu_common.sh"  # MODEL and SHAPE for the selected rollout; the
 [ -f "$RUN_DIR/data/train.parquet" ] || "$PYTHON" -m verl_mas.data "$WORKFLOW" --out "$RUN_DIR/data" --train "${TRAIN_TASKS:-64}" --test "${TEST_TASKS:-16}" --seed 0
 
 export VERL_FILE_LOGGER_PATH="$RUN_DIR/metrics.jsonl"
-ray_env VERL_PLATFORM TQ_NUM_THREADS PYTHONWARNINGS VERL_FILE_LOGGER_PATH
+ray_env
 "$PYTHON" -m verl.trainer.main_ppo --config-path "$HERE" --config-name at_grpo_cpu \
   actor_rollout_ref.model.path="$MODEL" \
   data.train_files="$RUN_DIR/data/train.parquet" data.val_files="$RUN_DIR/data/test.parquet" \

@@ -14,7 +14,7 @@ source "$HERE/../cpu_common.sh"  # MODEL and SHAPE for the selected rollout; the
 REWARD_FN="$("$PYTHON" -c 'import verl_mas.demo.digits as m; print(m.__file__)')"
 
 export VERL_FILE_LOGGER_PATH="$RUN_DIR/metrics.jsonl"
-ray_env VERL_PLATFORM TQ_NUM_THREADS PYTHONWARNINGS VERL_FILE_LOGGER_PATH
+ray_env
 "$PYTHON" -m verl.trainer.main_ppo --config-path "$HERE" --config-name grpo_cpu_smoke \
   actor_rollout_ref.model.path="$MODEL" \
   data.train_files="$RUN_DIR/data/train.parquet" data.val_files="$RUN_DIR/data/test.parquet" \

@@ -138,7 +138,8 @@ class RelayWorkflow(Workflow):
         bad = [w for w in message if w not in ACTION_WORDS]
         if not message or bad:
             raise ValueError(
-                f"{workflow_name(type(self))} task {task!r} has words {bad!r} outside ACTION_WORDS {ACTION_WORDS} (or is empty). "
+                f"{workflow_name(type(self))} task {task!r} has words {bad!r} outside ACTION_WORDS {ACTION_WORDS} "
+                "(or is empty). "
                 "A message is a non-empty list of action words; build tasks with RelayWorkflow.generate_task."
             )
         delivered = 0
