@@ -36,6 +36,8 @@ REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "at_grpo_cpu" / "run.sh"
 K, TASKS = 4, 8  # K: recipe_runs.relay_shape's
 SAVE_HF = "actor_rollout_ref.actor.checkpoint.save_contents=[model,optimizer,extra,hf_model]"
+#: Data-parallel ranks (logical GPUs) of a policy on verl's pool: verl gives each rank one hf rollout replica.
+DP = 2
 
 
 def _run(run_dir: Path, shape: tuple[str, ...], *overrides: str, workflow: str = "relay-v0") -> list[dict]:
@@ -63,22 +65,22 @@ def _val_outputs(path: Path) -> list[tuple[str, str]]:
 
 
 @contextlib.contextmanager
-def _two_node_cluster():
-    """A two-node Ray cluster (tests/_two_node_cluster.py) whose raylets know nothing of verl_mas's CPU settings
-    (no ``VERL_PLATFORM``: the recipe must carry them to every worker in Ray's runtime environment); yields its
-    address, then shuts it down. Its session lives in a short temporary folder: Ray's socket paths must fit in 107
-    bytes."""
+def _ray_cluster(nodes: int):
+    """A Ray cluster of ``nodes`` nodes of one logical GPU each (tests/_ray_cluster.py) whose raylets know nothing
+    of verl_mas's CPU settings (no ``VERL_PLATFORM``: the recipe must carry them to every worker in Ray's runtime
+    environment); yields its address, then shuts it down. Its session lives in a short temporary folder: Ray's
+    socket paths must fit in 107 bytes."""
     temp_dir = tempfile.mkdtemp(prefix="vm-ray-")
     # RAY_TMPDIR: the head advertises its address (for a bare ray.init() to join) under Ray's temp folder; in a folder
     # of its own, no other test's Ray started meanwhile on this machine joins this cluster by mistake.
     env = {k: v for k, v in os.environ.items() if not k.startswith("VERL_")} | {"RAY_TMPDIR": temp_dir}
     (Path(temp_dir) / "ray").mkdir()  # Ray's folder under RAY_TMPDIR, for the sessions and the address
-    proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("_two_node_cluster.py")),
-                             str(Path(temp_dir) / "ray")],  # its workers start in its folder, not the checkout
+    proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("_ray_cluster.py")),
+                             str(Path(temp_dir) / "ray"), str(nodes)],  # its workers start in its folder
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True, cwd=temp_dir)
     try:
         address = proc.stdout.readline().strip()
-        assert address, f"the two-node cluster did not start (exit {proc.poll()})"
+        assert address, f"the {nodes}-node cluster did not start (exit {proc.poll()})"
         yield address
     finally:
         proc.stdin.close()
@@ -87,10 +89,11 @@ def _two_node_cluster():
 
 
 def _placement(address: str) -> list[dict]:
-    """Where the last job's resource pools and rollout servers were, from Ray's control store (it keeps the
-    records of finished jobs): ``{kind, policy, name, nodes}`` each. A policy's workers run in its pool's placement
-    group (named ``mas_policy_<name>...``; verl's own pool is the first policy's); a server names its policy
-    (``hf_server_..._<policy>``)."""
+    """Where the last job's resource pools, rollout servers and worker processes were, from Ray's control store
+    (it keeps the records of finished jobs): ``{kind, policy, name, nodes}`` each. A policy's workers run in its
+    pool's placement groups (named ``mas_policy_<name>...``; verl's own pool, one group per node, is the first
+    policy's); a server names its policy (``hf_server_..._<policy>``); the worker processes of both policies are
+    one entry (``policy: both``)."""
     code = """
 import json, sys, ray
 from ray._private.state import state
@@ -115,7 +118,12 @@ print(json.dumps({"groups": groups, "actors": actors}))
 
 
 @pytest.mark.slow
-def test_per_role_models_of_different_sizes_train_route_sync_save_and_resume(tmp_path: Path, recipe_runs) -> None:
+def test_per_role_models_of_different_sizes_train_at_two_ranks_route_sync_and_resume_across_three_nodes(
+        tmp_path: Path, recipe_runs) -> None:
+    """mas_policies=per_role_models: the caller on verl's pool at data-parallel 2 (two ranks, one hf rollout replica
+    each), the runner, a model of another size and family, on a resource pool of its own (one rank). Two steps on a
+    local Ray, then a resume on a three-node Ray cluster: the caller over two nodes (``trainer.nnodes=2``, one rank
+    and one replica a node), the runner on the third."""
     from verl_mas.tiny import write_tiny
 
     run_dir = tmp_path / "run"
@@ -131,9 +139,11 @@ def test_per_role_models_of_different_sizes_train_route_sync_save_and_resume(tmp
 
     write_tiny(run_dir / "model", vocab=list(RelayWorkflow.vocabulary), chat_template=CHAT_TEMPLATE)
     policies = ["mas_policies=per_role_models", f"+mas.policies.runner.model.path={runner_model}",
-                "+mas.policies.runner.actor={optim: {weight_decay: 0.0}}"]
-    metrics = _run(run_dir, recipe_runs.relay_shape, *policies, "trainer.total_training_steps=2", "trainer.save_freq=2", SAVE_HF,
-                   "trainer.test_freq=2", f"trainer.validation_data_dir={run_dir / 'val1'}")
+                "+mas.policies.runner.actor={optim: {weight_decay: 0.0}}",
+                "+mas.policies.runner.resources={n_gpus_per_node: 1}"]
+    metrics = _run(run_dir, recipe_runs.relay_shape, *policies, f"trainer.n_gpus_per_node={DP}",
+                   f"ray_kwargs.ray_init.num_gpus={DP + 1}", "trainer.total_training_steps=2", "trainer.save_freq=2",
+                   SAVE_HF, "trainer.test_freq=2", f"trainer.validation_data_dir={run_dir / 'val1'}")
     steps = [m for m in metrics if "mas/success_rate" in m["data"]]
     assert [m["step"] for m in steps] == [1, 2]
     for m in steps:
@@ -141,25 +151,21 @@ def test_per_role_models_of_different_sizes_train_route_sync_save_and_resume(tmp
         print(f"[per-role-models] step {m['step']}: " + " ".join(
             f"{p}: probs_diff={d[f'policy/{p}/training/rollout_probs_diff_mean']:.1e} "
             f"grad_norm={d[f'policy/{p}/actor/grad_norm']:.3g} requests={d[f'policy/{p}/rollout/requests']:.0f} "
-            f"syncs={d[f'policy/{p}/rollout/weight_updates']:.0f}" for p in ("caller", "runner")))
-        for policy, role in (("caller", "caller"), ("runner", "runner")):
-            # Each policy's rollout log-probs are its own actor's: requests reached the right model and
-            # the weight sync of one policy did not land in the other's server.
-            assert d[f"policy/{policy}/training/rollout_probs_diff_mean"] < 1e-6
-            # Every update of a policy's server is its own policy's sync: one per step (plus the initial one).
-            assert d[f"policy/{policy}/rollout/weight_updates"] == (2.0 if m["step"] == 1 else 1.0)
-            # Step 1 (no validation in it): K requests per turn the role acted in, on its policy's server only.
-            if m["step"] == 1:
-                assert d[f"policy/{policy}/rollout/requests"] == round(K * TASKS * d[f"mas/{role}/turns"])
-        assert d["mas/runner/reward/mean"] == 0.0  # alpha=0: the runner's control condition
-        assert d["policy/runner/actor/grad_norm"] == 0.0
+            f"syncs={d[f'policy/{p}/rollout/weight_updates']:.0f}" for p in ("caller", "runner"))
+            + " caller's replicas: requests " + "+".join(f"{d[f'policy/caller/rollout/replica{r}/requests']:.0f}"
+                                                         for r in range(DP))
+            + f" sessions={d['mas/rollout/sessions']:.0f} split={d['mas/rollout/sessions_split']:.0f}")
+        _check_per_role_models_step(d, m["step"], caller_replicas=DP, syncs_at_start=2.0)
     assert max(m["data"]["policy/caller/actor/grad_norm"] for m in steps) > 0
 
-    # Parameters (transformers copies saved with the step-2 checkpoint): the caller moved, the runner —
-    # all samples at zero advantage — is bit-for-bit the larger model it started from.
+    # Parameters (transformers copies saved with the step-2 checkpoint, gathered from the caller's two shards): the
+    # caller moved, the runner — all samples at zero advantage — is bit-for-bit the larger model it started from.
     ckpt = run_dir / "checkpoints" / "global_step_2"
     caller_before, caller_after = _weights(run_dir / "model"), _weights(ckpt / "actor" / "huggingface")
     runner_before, runner_after = _weights(runner_model), _weights(ckpt / "actor_runner" / "huggingface")
+    if "lm_head.weight" in caller_after.keys() - caller_before.keys():
+        # Gathered from two shards, the tied lm_head is written as a tensor of its own: it must be the embedding.
+        assert torch.equal(caller_after.pop("lm_head.weight"), caller_after["model.embed_tokens.weight"])
     assert caller_after.keys() == caller_before.keys() and runner_after.keys() == runner_before.keys()
     assert runner_after["model.embed_tokens.weight"].shape[1] == 128  # the runner's worker group trained the big model
     moved = [k for k in caller_before if not torch.equal(caller_before[k], caller_after[k])]
@@ -168,54 +174,77 @@ def test_per_role_models_of_different_sizes_train_route_sync_save_and_resume(tmp
     print(f"[per-role-models] caller tensors changed: {len(moved)}/{len(caller_before)}; runner tensors changed: 0/"
           f"{len(runner_before)}")
 
-    # Kill and resume: a new main_ppo process continues at step 3 from the step-2 checkpoint of every
-    # policy: greedy validation before the resumed step reproduces the validation after step 2 exactly
-    # (same weights in both policies' servers), and every policy's optimiser continues its count (Adam's
+    # Kill and resume on a three-node Ray cluster (one logical GPU a node): verl's pool over two nodes of one GPU
+    # (trainer.nnodes=2) holds the caller's two ranks, which load the shards the two local ranks wrote; the runner's
+    # pool of one GPU can only go to the third node. A new main_ppo process continues at step 3 from the step-2
+    # checkpoint of every policy: greedy validation before the resumed step reproduces the validation after step 2
+    # exactly (same weights in every server), and every policy's optimiser continues its count on every rank (Adam's
     # step is 3 in the step-3 checkpoint; a policy restarted from scratch would have 1).
-    # The resumed run joins a two-node Ray cluster (one logical GPU a node) and moves the runner to a resource
-    # pool of its own, which only the other node can hold: its workers and rollout server run there, and its
-    # log-probs and update run concurrently with the caller's.
-    with _two_node_cluster() as address:
-        resumed = _run(run_dir, recipe_runs.relay_shape, *policies, "trainer.total_training_steps=3",
-                       "trainer.val_before_train=True", "trainer.test_freq=3",
+    with _ray_cluster(nodes=3) as address:
+        resumed = _run(run_dir, recipe_runs.relay_shape, *policies, "trainer.nnodes=2", "trainer.n_gpus_per_node=1",
+                       "trainer.total_training_steps=3", "trainer.val_before_train=True", "trainer.test_freq=3",
                        f"trainer.validation_data_dir={run_dir / 'val2'}", "trainer.save_freq=3",
-                       "+mas.policies.runner.resources={n_gpus_per_node: 1}", f"ray_kwargs.ray_init.address={address}")
+                       f"ray_kwargs.ray_init.address={address}")
         placed = _placement(address)
-    # From Ray: each policy's resource pool and rollout server on one node, the two policies on different nodes,
-    # and worker processes on both.
+    # From Ray: the caller's pool (a placement group a node) and its two rollout servers on two nodes, one server on
+    # each; the runner's pool and server on the third node; worker processes on all three.
     nodes = {policy: {n for a in placed if a["policy"] == policy for n in a["nodes"]} for policy in ("caller", "runner")}
     kinds = {policy: sorted({a["kind"] for a in placed if a["policy"] == policy}) for policy in nodes}
-    print("[per-role-models] two Ray nodes: " + "; ".join(f"{a['kind']} {a['name']} ({a['policy']}) on "
-                                                         f"{[n[:8] for n in a['nodes']]}" for a in placed))
+    print("[per-role-models] three Ray nodes: " + "; ".join(f"{a['kind']} {a['name']} ({a['policy']}) on "
+                                                           f"{[n[:8] for n in a['nodes']]}" for a in placed))
     assert kinds == {"caller": ["resource pool", "rollout server"], "runner": ["resource pool", "rollout server"]}, placed
-    assert len(nodes["caller"]) == len(nodes["runner"]) == 1 and nodes["caller"] != nodes["runner"], placed
+    assert len(nodes["caller"]) == 2 and len(nodes["runner"]) == 1 and not nodes["caller"] & nodes["runner"], placed
+    caller_servers = [a["nodes"][0] for a in placed if a["policy"] == "caller" and a["kind"] == "rollout server"]
+    assert sorted(caller_servers) == sorted(nodes["caller"]), placed
     assert set(next(a["nodes"] for a in placed if a["kind"] == "workers")) == nodes["caller"] | nodes["runner"]
     new = resumed  # verl's file logger starts metrics.jsonl afresh in every process
     assert [m["step"] for m in new if "mas/success_rate" in m["data"]] == [3]
     step3 = next(m["data"] for m in new if m["step"] == 3 and "mas/success_rate" in m["data"])
-    assert step3["policy/caller/training/rollout_probs_diff_mean"] < 1e-6
-    assert step3["policy/runner/training/rollout_probs_diff_mean"] < 1e-6
-    # Sum of the two policies' update times over the phase's wall time: 1.0 or less if they ran one after
-    # the other, more if they overlapped (split pools).
-    assert step3["mas/policies/update_actor_concurrency"] > 1.0
-    assert steps[-1]["data"]["mas/policies/update_actor_concurrency"] <= 1.0  # shared pool: one at a time
-    print(f"[per-role-models] concurrency of the two policies' updates: shared pool "
-          f"{steps[-1]['data']['mas/policies/update_actor_concurrency']:.2f}, split pools "
+    # A fresh rollout: each replica's initial sync, then the one of the step
+    _check_per_role_models_step(step3, 3, caller_replicas=DP, syncs_at_start=2.0)
+    # Sum of the two policies' update times over the phase's wall time: 1.0 or less if they ran one after the other,
+    # more if they overlapped (a pool each).
+    for phase, d in (("one node", steps[-1]["data"]), ("three nodes", step3)):
+        assert d["mas/policies/update_actor_concurrency"] > 1.0, phase
+    print(f"[per-role-models] concurrency of the two policies' updates on pools of their own: one node "
+          f"{steps[-1]['data']['mas/policies/update_actor_concurrency']:.2f}, three nodes "
           f"{step3['mas/policies/update_actor_concurrency']:.2f}")
     after_step2 = _val_outputs(run_dir / "val1" / "2.jsonl")
     assert _val_outputs(run_dir / "val2" / "2.jsonl") == after_step2
-    for policy in ("actor", "actor_runner"):
+    for policy, ranks in (("actor", DP), ("actor_runner", 1)):
         for step, expected in ((2, 2.0), (3, 3.0)):  # one optimiser step per training step (one mini-batch)
-            optim = torch.load(run_dir / "checkpoints" / f"global_step_{step}" / policy / "optim_world_size_1_rank_0.pt",
-                               weights_only=False)
-            assert {float(v["step"]) for v in optim["state"].values()} == {expected}, (policy, step)
+            for rank in range(ranks):
+                optim = torch.load(run_dir / "checkpoints" / f"global_step_{step}" / policy
+                                   / f"optim_world_size_{ranks}_rank_{rank}.pt", weights_only=False)
+                assert {float(v["step"]) for v in optim["state"].values()} == {expected}, (policy, step, rank)
     print(f"[per-role-models] resume: {len(after_step2)} greedy validation outputs identical before/after the restart")
+
+
+def _check_per_role_models_step(d: dict, step: int, *, caller_replicas: int, syncs_at_start: float) -> None:
+    """One step of the per-role-models run (relay-v0, ``mas.alpha=0``): each policy's rollout log-probs are its own
+    actor's (requests reached the right model, one policy's sync did not land in the other's servers); every
+    replica of a policy takes exactly one sync of that policy a step (``syncs_at_start`` in a run's first step:
+    the initial sync too); the caller's (episode, role) sessions each stay on one of its replicas and spread over
+    all of them; the runner, at zero advantage, gets a zero gradient."""
+    for policy in ("caller", "runner"):
+        assert d[f"policy/{policy}/training/rollout_probs_diff_mean"] < 1e-6, (policy, step)
+        replicas = caller_replicas if policy == "caller" else 1
+        syncs = syncs_at_start if step in (1, 3) else 1.0
+        assert d[f"policy/{policy}/rollout/weight_updates"] == replicas * syncs, (policy, step)
+        if replicas > 1:
+            assert [d[f"policy/{policy}/rollout/replica{r}/weight_updates"] for r in range(replicas)] == \
+                [syncs] * replicas, (policy, step)
+            assert all(d[f"policy/{policy}/rollout/replica{r}/requests"] > 0 for r in range(replicas)), (policy, step)
+    if step == 1:  # no validation in it: K requests per turn the role acted in, on its policy's servers only
+        for role in ("caller", "runner"):
+            assert d[f"policy/{role}/rollout/requests"] == round(K * TASKS * d[f"mas/{role}/turns"]), (role, step)
+    assert (d["mas/rollout/sessions"], d["mas/rollout/sessions_split"]) == (2 * TASKS, 0.0), step
+    assert d["mas/runner/reward/mean"] == 0.0  # alpha=0: the runner's control condition
+    assert d["policy/runner/actor/grad_norm"] == 0.0
 
 
 #: The three-role team of relay-chain-v0: each role has its own LoRA adapter on the one resident base.
 CHAIN = ("caller", "courier", "runner")
-#: Data-parallel ranks (logical GPUs) of the shared-base run: verl gives each rank one hf rollout replica.
-DP = 2
 
 
 @pytest.mark.slow
