@@ -140,10 +140,12 @@ def _weights(path: Path) -> dict:
 
 
 TASKS, K = 8, 4
+#: Data-parallel ranks of the shared-LoRA run: tensor parallel 1, so one vLLM replica per rank.
+DP = 2
 
 
 def _two_policy_run(recipe_runs, tmp_path: Path, tag: str, *overrides: str, syncs_at_step_1: dict[str, float],
-                    gap: float, more_steps: int = 0, **env: str) -> tuple[Path, list[dict], list[dict]]:
+                    gap: float, more_steps: int = 0, dp: int = 1, **env: str) -> tuple[Path, list[dict], list[dict]]:
     """The CPU quickstart with two policies (caller, runner) on vLLM for 2 steps (and ``more_steps`` after them, a
     diagnostic phase ``env`` switches on, unchecked here), the runner held at zero advantage (``mas.alpha=0``, no
     weight decay); checks the first 2 steps' per-policy figures and returns the run directory, their metrics and
@@ -152,7 +154,8 @@ def _two_policy_run(recipe_runs, tmp_path: Path, tag: str, *overrides: str, sync
     Per step and policy: the rollout-vs-actor gap below ``gap`` (a request served by, or a sync landing in,
     the other policy's server shows up here), exactly K requests per turn its role acted in on its own
     servers, its own weight syncs only (``syncs_at_step_1[policy]`` at step 1, which includes the initial sync,
-    then one per step), and a zero runner gradient.
+    then one per step), and a zero runner gradient. At ``dp`` data-parallel ranks (``dp`` vLLM replicas per rollout:
+    tensor parallel 1), on every replica: every sync of its policy, and requests of its own share of the sessions.
     """
     run_dir = tmp_path / "run"
     run_dir.mkdir()  # the recipe builds model-h128, which vLLM serves (head size 32), relay-v0's vocabulary
@@ -160,6 +163,7 @@ def _two_policy_run(recipe_runs, tmp_path: Path, tag: str, *overrides: str, sync
         REPO / "recipes" / "at_grpo_cpu" / "run.sh", run_dir, *recipe_runs.relay_shape, *VLLM, f"data.train_batch_size={TASKS}",
         "mas.alpha=0",
         *overrides, "+mas.policies.runner.actor.optim.weight_decay=0.0", "trainer.save_freq=2",
+        f"trainer.n_gpus_per_node={dp}", f"ray_kwargs.ray_init.num_gpus={dp}",
         "actor_rollout_ref.actor.checkpoint.save_contents=[model,optimizer,extra,hf_model]",
         python=_vllm_python(), steps=2 + more_steps, **env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
@@ -171,11 +175,18 @@ def _two_policy_run(recipe_runs, tmp_path: Path, tag: str, *overrides: str, sync
         print(f"\n[{tag}] step {m['step']}: " + " ".join(
             f"{p}: gap={d[f'policy/{p}/training/rollout_probs_diff_mean']:.1e} "
             f"grad_norm={d[f'policy/{p}/actor/grad_norm']:.3g} requests={d[f'policy/{p}/rollout/requests']:.0f} "
-            f"syncs={d[f'policy/{p}/rollout/weight_updates']:.0f}" for p in ("caller", "runner")), end="")
+            f"syncs={d[f'policy/{p}/rollout/weight_updates']:.0f}"
+            + ("" if dp == 1 else " (replicas: requests " + "+".join(
+                f"{d[f'policy/{p}/rollout/replica{r}/requests']:.0f}" for r in range(dp)) + ")")
+            for p in ("caller", "runner")), end="")
         for policy in ("caller", "runner"):
             assert d[f"policy/{policy}/training/rollout_probs_diff_mean"] < gap, policy
-            assert d[f"policy/{policy}/rollout/weight_updates"] == (syncs_at_step_1[policy] if m["step"] == 1 else 1.0), policy
+            syncs = syncs_at_step_1[policy] if m["step"] == 1 else 1.0
+            assert d[f"policy/{policy}/rollout/weight_updates"] == dp * syncs, policy
             assert d[f"policy/{policy}/rollout/requests"] == round(K * TASKS * d[f"mas/{policy}/turns"]), policy
+            if dp > 1:
+                assert [d[f"policy/{policy}/rollout/replica{r}/weight_updates"] for r in range(dp)] == [syncs] * dp
+                assert all(d[f"policy/{policy}/rollout/replica{r}/requests"] > 0 for r in range(dp)), policy
         assert d["mas/runner/reward/mean"] == 0.0 and d["policy/runner/actor/grad_norm"] == 0.0
         # AT-GRPO's tree sampling on vLLM: K candidates per (task, role, turn) from one prompt, none lost, every
         # episode counted.
@@ -432,10 +443,11 @@ def test_every_gpu_recipes_settings_run_on_cpu_with_vllm(tmp_path: Path, recipe_
 
 def test_one_resident_base_with_an_adapter_per_role_on_vllm_serves_each_role_its_adapter(tmp_path: Path,
                                                                                         recipe_runs) -> None:
-    """Per-role LoRA on one shared base on verl's vLLM rollout: one server, one LoRA slot per policy (vLLM's
-    multi-LoRA serving), each request served by the adapter it names. ``mas.alpha=0`` holds the runner at
-    zero advantage: its adapter's B stays zero while the caller's moves, so a caller request served by the
-    runner's slot (or a sync landing in the wrong slot) shows up as the caller's rollout-vs-actor gap."""
+    """Per-role LoRA on one shared base on verl's vLLM rollout at data-parallel 2: two vLLM replicas, each with one
+    LoRA slot per policy (vLLM's multi-LoRA serving), each request served by the adapter it names. ``mas.alpha=0``
+    holds the runner at zero advantage: its adapter's B stays zero while the caller's moves, so a caller request
+    served by the runner's slot (or a sync landing in the wrong slot) shows up as the caller's rollout-vs-actor
+    gap."""
     import torch
 
     # Step 1's syncs: the initial sync loads the base and then both adapters, then step 1's adapters. Steps 3-4 are
@@ -443,7 +455,7 @@ def test_one_resident_base_with_an_adapter_per_role_on_vllm_serves_each_role_its
     # 1's) it serves each request with the other policy's adapter, from the sync after step 2 on.
     run_dir, steps, swapped = _two_policy_run(recipe_runs, tmp_path, "vllm-shared-lora", "mas_policies=per_role_lora",
                                               syncs_at_step_1={"caller": 3.0, "runner": 3.0}, gap=1e-6, more_steps=2,
-                                              VERL_MAS_VLLM_SWAP_ADAPTERS="after:3")
+                                              dp=DP, VERL_MAS_VLLM_SWAP_ADAPTERS="after:3")
     ckpt = run_dir / "checkpoints" / "global_step_2" / "actor"
     assert not (run_dir / "checkpoints" / "global_step_2" / "actor_runner").exists()  # one module, one folder
     from safetensors.torch import load_file
@@ -451,13 +463,14 @@ def test_one_resident_base_with_an_adapter_per_role_on_vllm_serves_each_role_its
     adapters = {p: load_file(str(ckpt / "adapters" / p / "adapter_model.safetensors")) for p in ("caller", "runner")}
     assert all(torch.count_nonzero(v) == 0 for k, v in adapters["runner"].items() if "lora_B" in k)
     assert sum(int(torch.count_nonzero(v)) for k, v in adapters["caller"].items() if "lora_B" in k) > 0
-    # The bytes the one server loaded (mas/rollout/weight_bytes), as on hf (tests/test_main_ppo_policies.py): the base
-    # once, then each sync's two rank-8 adapters on every linear layer: per layer 8 * (q 128+128, k 128+64,
-    # v 128+64, o 128+128, gate 128+256, up 128+256, down 256+128) = 8 * 2,048 floats; 2 layers: 131,072 bytes an
-    # adapter. Step 1: the base, then the adapters twice (initial sync, step 1's); step 2: the adapters once.
+    # The bytes each of the two servers loaded (mas/rollout/weight_bytes sums them), as on hf
+    # (tests/test_main_ppo_policies.py): the base once, then each sync's two rank-8 adapters on every linear layer:
+    # per layer 8 * (q 128+128, k 128+64, v 128+64, o 128+128, gate 128+256, up 128+256, down 256+128) = 8 * 2,048
+    # floats; 2 layers: 131,072 bytes an adapter. Step 1: the base, then the adapters twice (initial sync, step 1's);
+    # step 2: the adapters once.
     adapter_bytes = 2 * 8 * 2_048 * 4
-    assert [m["data"]["mas/rollout/weight_bytes"] for m in steps] == [RELAY_MODEL_BYTES + 2 * 2 * adapter_bytes,
-                                                                      2 * adapter_bytes]
+    assert [m["data"]["mas/rollout/weight_bytes"] for m in steps] == [DP * (RELAY_MODEL_BYTES + 2 * 2 * adapter_bytes),
+                                                                      DP * 2 * adapter_bytes]
     # Negative control, steps 3-4: every request served by the other policy's adapter. The caller had signal in
     # steps 1-2 (checked above), so its adapter is no longer the runner's (B = 0) and its requests, answered by the
     # runner's adapter, show a gap far above the synced one.
