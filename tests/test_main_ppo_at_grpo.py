@@ -1,4 +1,5 @@
-"""AT-GRPO end to end through verl's stock main_ppo on CPU: the CPU quickstart recipe for a few steps.
+"""AT-GRPO end to end through verl's stock main_ppo on CPU: the CPU quickstart recipe for a few steps (the first
+test at data-parallel 2: two ranks, two hf rollout replicas).
 
 Runs ``recipes/at_grpo_cpu/run.sh`` (relay-v0, tiny model with the workflow's vocabulary, the mas agent
 loop, the at_grpo estimator and the mas trainer mode) and reads verl's per-step metrics.
@@ -19,6 +20,8 @@ from verl_mas.config import ABLATIONS
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "at_grpo_cpu" / "run.sh"
 STEPS = 3
+#: Data-parallel ranks: the one policy's actor on two ranks, verl's hf rollout as two replicas (one per rank).
+DP = 2
 
 
 @pytest.mark.slow
@@ -27,9 +30,10 @@ def test_at_grpo_trains_a_two_role_workflow_through_main_ppo(tmp_path: Path, rec
     env = {k: v for k, v in os.environ.items() if not k.startswith("VERL_")}
     env.update(PYTHON=sys.executable, VERL_MAS_RUN_DIR=str(run_dir))
     # The quickstart's settings (K=8, mas.drop_zero_variance, 2-task mini-batches) on 8 tasks a step, validated
-    # after the last step only.
+    # after the last step only, at data-parallel 2.
     proc = subprocess.run(
         ["bash", str(RECIPE), f"trainer.total_training_steps={STEPS}", "data.train_batch_size=8",
+         f"trainer.n_gpus_per_node={DP}", f"ray_kwargs.ray_init.num_gpus={DP}",
          "trainer.val_before_train=false", f"trainer.test_freq={STEPS}", f"mas.record.every_n_steps={STEPS}"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1500,
     )
@@ -52,7 +56,10 @@ def test_at_grpo_trains_a_two_role_workflow_through_main_ppo(tmp_path: Path, rec
             f"{d['critic/advantages/max']:.2f}] grad_norm={d.get('actor/grad_norm', float('nan')):.3f} "
             f"rollout_probs_diff={recipe_runs.gap(d):.1e} step_s={d['timing_s/step']:.1f} "
             f"dropped={d['mas/drop/rows']:.0f}/{d['mas/drop/rows'] + d['mas/drop/rows_kept']:.0f} rows "
-            f"score_mean={d['critic/score/mean']:.3f} tokens={d['perf/total_num_tokens']}"
+            f"score_mean={d['critic/score/mean']:.3f} tokens={d['perf/total_num_tokens']} "
+            f"replica requests={'+'.join(str(round(d[f'mas/rollout/replica{r}/requests'])) for r in range(DP))} "
+            f"sessions={d['mas/rollout/sessions']:.0f} split={d['mas/rollout/sessions_split']:.0f} "
+            f"rank tokens={d['global_seqlen/min']:.0f}..{d['global_seqlen/max']:.0f}"
         )
         # Per-role and group metrics are logged every step.
         for key in ("mas/caller/reward/mean", "mas/runner/reward/mean", "mas/caller/turns", "mas/success_rate",
@@ -64,13 +71,19 @@ def test_at_grpo_trains_a_two_role_workflow_through_main_ppo(tmp_path: Path, rec
         # The zero-variance groups left verl's log-probs and update, not its data metrics: critic/score/mean is
         # the mean reward of every row (mas/reward/mean, computed before the drop; it was the kept rows' mean,
         # 0.138 against 0.03-0.05, when the drop removed rows from verl's batch), and perf/total_num_tokens
-        # counts every row (3 prompt tokens and 1-3 response tokens each, plus at most 3 padding rows that
-        # round the kept rows to whole mini-batches), not only the kept ones.
+        # counts every row (3 prompt tokens and 1-3 response tokens each, plus at most 7 padding rows that
+        # round the kept rows to whole mini-batches of whole per-rank shares: 4 mini-batches of a multiple of 2
+        # rows, verl_mas.minibatch.batch_multiple_for), not only the kept ones.
         rows, kept = d["mas/drop/rows"], d["mas/drop/rows_kept"]
         flat = round(d["mas/group/zero_std_frac"] * d["mas/group/count"])
         assert rows == 8 * flat and kept + rows == 8 * d["mas/group/count"]
         assert abs(d["critic/score/mean"] - d["mas/reward/mean"]) < 1e-6
-        assert 4 * (kept + rows) <= d["perf/total_num_tokens"] <= 6 * (kept + rows + 3)
+        assert 4 * (kept + rows) <= d["perf/total_num_tokens"] <= 6 * (kept + rows + 7)
+        # Two replicas: every (episode, role) session (8 tasks x 2 roles) on one of them, both used, and every
+        # replica takes every sync (step 1: the one after start-up and the one before the step).
+        assert (d["mas/rollout/sessions"], d["mas/rollout/sessions_split"]) == (16, 0.0)
+        assert all(d[f"mas/rollout/replica{r}/requests"] > 0 for r in range(DP))
+        assert [d[f"mas/rollout/replica{r}/weight_updates"] for r in range(DP)] == [2.0 if m["step"] == 1 else 1.0] * DP
         assert d["mas/infra_failures"] == 0.0
         assert d["mas/episodes"] == 8.0
         # Metrics of verl's log-prob pass describe only the rows that trained: named so, never verl's names.
@@ -81,10 +94,10 @@ def test_at_grpo_trains_a_two_role_workflow_through_main_ppo(tmp_path: Path, rec
         if rows:
             dropped_steps += 1
     assert dropped_steps > 0  # the drop happened, so the checks above compared two different row sets
-    # The bytes the rollout loaded (one policy logs them too): the relay tiny model's state dict (hidden 64, 2
-    # layers, vocabulary 82; 27 tensors, the tied lm_head among them) holds 133,952 fp32 values = 535,808 bytes a
-    # sync; the sync after start-up and the one before step 1, then one a step.
-    assert [m["data"]["mas/rollout/weight_bytes"] for m in metrics] == [2 * 535_808, 535_808, 535_808]
+    # The bytes the rollout's two replicas loaded (one policy logs them too): the relay tiny model's state dict
+    # (hidden 64, 2 layers, vocabulary 82; 27 tensors, the tied lm_head among them) holds 133,952 fp32 values =
+    # 535,808 bytes a sync and replica; the sync after start-up and the one before step 1, then one a step.
+    assert [m["data"]["mas/rollout/weight_bytes"] for m in metrics] == [DP * 2 * 535_808, DP * 535_808, DP * 535_808]
     # Validation after the last step: single-sample (mas.val_branching=1) episodes on the 16 test tasks, 4 sampled
     # at the training temperature (val_kwargs) and one greedy per task, read by its 4 sessions (mas.val_greedy), reported by verl from
     # the agent loop's reward_extra_info as val-core/<source>/acc/mean@4 and val-aux/<source>/acc_greedy/mean@4.
