@@ -360,6 +360,28 @@ def test_several_trainable_policies_need_a_policy_aware_rollout_backend(tmp_path
     check_run_config(_cpu_recipe(tmp_path, "actor_rollout_ref.rollout.name=vllm", split))  # one shared policy: fine
 
 
+def test_policies_whose_vllm_engines_share_a_gpu_must_fit_its_memory_together(tmp_path: Path, monkeypatch) -> None:
+    from verl_mas.startup import check_run_config
+
+    monkeypatch.delenv("VERL_PLATFORM", raising=False)
+    gpu = ("trainer.device=cuda", "actor_rollout_ref.rollout.name=vllm")
+    # Two policies on verl's pool, each a vLLM engine reserving 0.6 of every GPU (the GPU recipes' setting): refused.
+    with pytest.raises(MasConfigError, match=r"policies \['caller', 'runner'\] share verl's resource pool.*"
+                                             r"\{'caller': 0.6, 'runner': 0.6\} sum to 1.20.*"
+                                             r"actor_rollout_ref.rollout.gpu_memory_utilization=0.45"):
+        check_run_config(_cpu_recipe(tmp_path, "mas_policies=per_role_models", *gpu,
+                                     "actor_rollout_ref.rollout.gpu_memory_utilization=0.6"))
+    # One policy's own share lowered so that the two fit: fine.
+    check_run_config(_cpu_recipe(tmp_path, "mas_policies=per_role_models", *gpu,
+                                 "actor_rollout_ref.rollout.gpu_memory_utilization=0.6",
+                                 "+mas.policies.runner.rollout.gpu_memory_utilization=0.3"))
+    # Controls, each at 0.6: the runner on a pool of its own; adapters on one shared base (one engine serves them
+    # all); the CPU platform (vLLM's CPU build sizes its KV cache in bytes); one shared policy.
+    for layout in (("mas_policies=per_role_models", "+mas.policies.runner.resources={n_gpus_per_node: 1}"),
+                   ("mas_policies=per_role_lora",), ("mas_policies=per_role_models", "trainer.device=cpu"), ()):
+        check_run_config(_cpu_recipe(tmp_path, *gpu, "actor_rollout_ref.rollout.gpu_memory_utilization=0.6", *layout))
+
+
 def test_per_policy_settings_reach_the_policys_trainer_view_and_sampling(tmp_path: Path) -> None:
     from omegaconf import OmegaConf
 

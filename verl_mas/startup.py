@@ -15,9 +15,9 @@ from typing import Any
 from omegaconf import open_dict
 
 from verl_mas.advantage.at_grpo import ESTIMATOR_NAME, SINGLETON_KEY
-from verl_mas.backends.vllm.support import cpu_attention_problems
+from verl_mas.backends.vllm.support import cpu_attention_problems, on_cpu
 from verl_mas.config import MAS_TRAINER_MARK, POLICY_NAME, MasConfig, MasConfigError
-from verl_mas.policies import policy_configs_and_problems, shared_rollout_problems
+from verl_mas.policies import policy_configs_and_problems, pool_memory_problems, shared_rollout_problems
 from verl_mas.policies.adapters import ADAPTERS_KEY, adapter_plan, shared_base_plan
 from verl_mas.registry import ENTRY_POINT_GROUP, get_workflow
 from verl_mas.routing import RoleRouter, roles_of_workflows, workflows_in_data
@@ -88,6 +88,8 @@ def check_run_config(config: Any) -> tuple[MasConfig, dict[str, Any]]:
             problems.extend(shared_rollout_problems(configs, mas))
             plan, plan_problems = shared_base_plan(mas, configs)
             problems.extend(plan_problems)
+            if not on_cpu(config):  # vLLM's CPU build sizes its KV cache in bytes (verl_mas/conf/cpu_rollout/vllm.yaml)
+                problems.extend(pool_memory_problems(configs, mas, one_engine=plan is not None))
             if plan is not None:  # the worker group and the rollout servers read it from the first policy's config
                 primary = configs[mas.policy_names[0]]
                 with open_dict(primary):

@@ -21,6 +21,7 @@ from verl_mas.policies.configs import (
     SHARED_ROLLOUT_KEYS,
     policy_configs,
     policy_configs_and_problems,
+    pool_memory_problems,
     rollout_policy,
     shared_rollout_problems,
 )
@@ -31,6 +32,7 @@ __all__ = [
     "SHARED_ROLLOUT_KEYS",
     "policy_configs",
     "policy_configs_and_problems",
+    "pool_memory_problems",
     "rollout_policy",
     "shared_rollout_problems",
 ]

@@ -15,7 +15,7 @@ from typing import Any
 from verl_mas.config import POLICY_RESOURCES, MasConfig, MasConfigError
 
 __all__ = ["POLICY_AWARE_ROLLOUTS", "ROLLOUT_POLICY_KEY", "SHARED_ROLLOUT_KEYS", "policy_configs",
-           "policy_configs_and_problems", "rollout_policy", "shared_rollout_problems"]
+           "policy_configs_and_problems", "pool_memory_problems", "rollout_policy", "shared_rollout_problems"]
 
 #: Keys of ``actor_rollout_ref.rollout`` that one process reads for every policy (verl's agent-loop workers
 #: size, sample and post-process every request with the first policy's values), so a policy cannot change them.
@@ -141,3 +141,33 @@ def shared_rollout_problems(configs: Mapping[str, Any], mas: MasConfig) -> list[
                 f"{list(POLICY_AWARE_ROLLOUTS)}; use one of them, or one shared policy on {backends[0]} (docs/policies.md)."
             )
     return out
+
+
+def pool_memory_problems(configs: Mapping[str, Any], mas: MasConfig, *, one_engine: bool) -> list[str]:
+    """Policies whose vLLM engines share the GPUs of verl's pool and together reserve more than every GPU has.
+
+    On verl's pool every policy's rollout replica runs on the same GPUs as the others' (the worker group of each
+    policy is colocated there, :mod:`verl_mas.policies.stacks`), and each vLLM engine reserves
+    ``rollout.gpu_memory_utilization`` of the device at start-up (vLLM refuses to start when less is free) and holds
+    its KV cache while the rollout runs, with every policy's engine awake at once. A sum above 1 cannot fit: the
+    second engine fails only after the whole start-up. A policy with ``resources`` has a pool of its own and is
+    not counted; ``one_engine``: a shared LoRA base, whose adapters are served by one engine. For GPU runs only
+    (vLLM's CPU build sizes its KV cache in bytes).
+    """
+    if one_engine or not mas.multi_policy:
+        return []
+    shared = {name: c.rollout for name, c in configs.items()
+              if mas.policy_resources(name) is None and str(c.rollout.get("name", None)) == "vllm"}
+    fractions = {name: float(r.get("gpu_memory_utilization", None) or 0.0) for name, r in shared.items()}
+    if len(fractions) < 2 or sum(fractions.values()) <= 1.0:
+        return []
+    share = round(0.9 / len(fractions), 2)
+    return [
+        f"policies {list(fractions)} share verl's resource pool, and each starts a vLLM engine on every one of its GPUs "
+        f"reserving rollout.gpu_memory_utilization of the device: {fractions} sum to {sum(fractions.values()):.2f}, "
+        "more than a GPU has, so the last engine to start would fail vLLM's free-memory check after the whole "
+        f"start-up (and the actors' parameters need room too). Give each policy its share, e.g. "
+        f"actor_rollout_ref.rollout.gpu_memory_utilization={share} (every policy inherits it) or "
+        "mas.policies.<p>.rollout.gpu_memory_utilization per policy, or give a policy GPUs of its own with "
+        "mas.policies.<p>.resources={n_gpus_per_node: N}."
+    ]

@@ -20,7 +20,7 @@ from verl_mas.backends.vllm import BACKEND_NAME
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CPU_ATTENTION_HEAD_SIZES", "cpu_attention_problems", "head_size"]
+__all__ = ["CPU_ATTENTION_HEAD_SIZES", "cpu_attention_problems", "head_size", "on_cpu"]
 
 #: Head sizes vLLM 0.24's CPU attention serves (``CPUAttentionBackend.get_supported_head_sizes()``;
 #: tests/test_vllm_cpu.py compares it with the installed vLLM).
@@ -46,9 +46,10 @@ def head_size(model_config: Mapping[str, Any]) -> int | None:
     return int(hidden) // int(heads)
 
 
-def _on_cpu(config: Mapping[str, Any]) -> bool:
-    # VERL_PLATFORM=cpu is verl_mas.backends.cpu_platform.cpu_platform_selected(), read here without importing
-    # torch and verl (which that module needs).
+def on_cpu(config: Mapping[str, Any]) -> bool:
+    """Whether the run is on verl_mas's cpu platform: ``VERL_PLATFORM=cpu`` (what
+    verl_mas.backends.cpu_platform.cpu_platform_selected() reads, read here without importing torch and verl) or
+    ``trainer.device=cpu``."""
     trainer = config.get("trainer") or {}
     return os.environ.get("VERL_PLATFORM", "").strip().lower() == "cpu" or trainer.get("device") == "cpu"
 
@@ -82,7 +83,7 @@ def cpu_attention_problems(config: Mapping[str, Any], policy_configs: Mapping[st
         rollout is not vLLM, the device is not the CPU, or every model fits. A model path without a local
         ``config.json`` (a hub id) is not checked.
     """
-    if not _on_cpu(config):
+    if not on_cpu(config):
         return []
     paths: dict[str, dict[str, list[str]]] = {}  # model path -> the key that sets it -> the policies it sets it for
     for policy, key, rollout in _model_keys(config, policy_configs):
