@@ -50,10 +50,11 @@ def _scenario(workdir: Path) -> dict[str, Any]:
     plan = {p: {"rank": RANKS[p], "alpha": ALPHAS[p], "optim": {}} for p in RANKS}
     plan["runner"]["optim"] = {"lr": RUNNER_LR, "clip_grad": RUNNER_CLIP}
 
-    def build() -> SharedBaseLoraWorker:
+    def build(param_offload: bool = False) -> SharedBaseLoraWorker:
         with initialize_config_module("verl.trainer.config", version_base=None):
             cfg = compose("ppo_trainer", overrides=[
                 *actor_overrides(str(model_path), use_remove_padding=True),
+                f"actor_rollout_ref.actor.fsdp_config.param_offload={param_offload}",
                 f"actor_rollout_ref.model.lora_rank={RANKS['caller']}",
                 f"actor_rollout_ref.model.lora_alpha={ALPHAS['caller']}",
                 "actor_rollout_ref.model.target_modules=all-linear",
@@ -165,8 +166,11 @@ def _scenario(workdir: Path) -> dict[str, Any]:
     out["peft_gap"], out["peft_ranks"] = peft_gap, peft_ranks
     out["ckpt_files"] = sorted(str(p.relative_to(ckpt)) for p in (ckpt / ADAPTERS_DIR).rglob("*") if p.is_file())
 
-    # ---- resume: a fresh worker loads the checkpoint; the next update matches the original's exactly
-    resumed = build()
+    # ---- resume: a fresh worker loads the checkpoint; the next update matches the original's exactly. It offloads
+    # its parameters between calls (param_offload, the optimiser resident): the adapters' optimiser states load with
+    # the module staged on the device, as verl's own (on the CPU platform the device is the host).
+    resumed = build(param_offload=True)
+    out["resumed_param_offload"] = bool(resumed.actor.engine._is_offload_param)
     resumed.load_checkpoint(str(ckpt))
     out["report_saved"] = actor.mas_adapter_report()
     out["report_resumed"] = resumed.mas_adapter_report()

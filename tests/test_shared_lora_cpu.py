@@ -106,6 +106,7 @@ def test_each_adapter_is_saved_in_the_peft_format_and_resumes_exactly(scenario: 
     # peft.PeftModel.from_pretrained(base, adapters/<policy>) reproduces the actor with that adapter.
     assert scenario["peft_ranks"] == {"caller": 4, "runner": 2}
     assert all(gap < CLOSE for gap in scenario["peft_gap"].values()), scenario["peft_gap"]
+    assert scenario["resumed_param_offload"]  # the resumed worker offloads its parameters between calls
     saved, resumed = scenario["report_saved"], scenario["report_resumed"]
     assert resumed["adapters"] == saved["adapters"] and resumed["base"] == saved["base"]
     assert resumed["optimizer_steps"] == saved["optimizer_steps"] == {"caller": 2, "runner": 1}

@@ -405,8 +405,9 @@ def test_every_gpu_recipes_settings_run_on_cpu_with_vllm(tmp_path: Path, recipe_
 
     Recipes whose settings agree (everything but PER_RECIPE_KEYS) share one run; a recipe that diverges gets
     a run of its own. Each run swaps only the model (a tiny one) and the device-bound sizes
-    (verl_mas/conf/on_cpu/tiny.yaml), validates before and after one training step, and must sample from
-    the synced weights.
+    (verl_mas/conf/on_cpu/tiny.yaml), and runs at data-parallel 2 (two ranks, two vLLM replicas of the one
+    policy, as a GPU node's 8 ranks give 8), validates before and after one training step, and must sample
+    from the synced weights on both replicas.
     """
     import json
 
@@ -425,6 +426,7 @@ def test_every_gpu_recipes_settings_run_on_cpu_with_vllm(tmp_path: Path, recipe_
         # Every row through log-probs (a random tiny model's first step may have no group with signal, and the
         # rollout-vs-actor gap is what this run checks).
         proc, metrics = recipe_runs.run(script, run_dir, *model_arg, *ON_CPU, "mas.drop_zero_variance=false",
+                                        f"trainer.n_gpus_per_node={DP}", f"ray_kwargs.ray_init.num_gpus={DP}",
                                         python=_vllm_python(), steps=1,
                                         MODEL_PATH=str(model), TRAIN_TASKS="4", TEST_TASKS="2", VERL_PLATFORM="cpu",
                                         VERL_FILE_LOGGER_PATH=str(run_dir / "metrics.jsonl"))
@@ -437,8 +439,13 @@ def test_every_gpu_recipes_settings_run_on_cpu_with_vllm(tmp_path: Path, recipe_
         assert d["mas/infra_failures"] == 0.0 and d["mas/group/size_mean"] == 4.0
         # Each sample names the vLLM replica that sampled it; every (episode, role) session stayed on one replica.
         assert d["mas/rollout/sessions"] > 0 and d["mas/rollout/sessions_split"] == 0.0
+        # Both replicas served requests and took every sync (the one after start-up and the one before the step).
+        assert all(d[f"mas/rollout/replica{r}/requests"] > 0 for r in range(DP))
+        assert [d[f"mas/rollout/replica{r}/weight_updates"] for r in range(DP)] == [2.0] * DP
         print(f"[vllm-recipes] {name} (settings of {', '.join(recipes)}): step 1 gap="
-              f"{recipe_runs.gap(d):.1e} episodes={d['mas/episodes']:.0f} step_s={d['timing_s/step']:.1f}")
+              f"{recipe_runs.gap(d):.1e} episodes={d['mas/episodes']:.0f} step_s={d['timing_s/step']:.1f} "
+              f"sessions={d['mas/rollout/sessions']:.0f} replica requests="
+              + "+".join(str(round(d[f"mas/rollout/replica{r}/requests"])) for r in range(DP)))
 
 
 def test_one_resident_base_with_an_adapter_per_role_on_vllm_serves_each_role_its_adapter(tmp_path: Path,

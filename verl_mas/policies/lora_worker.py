@@ -252,12 +252,29 @@ class MultiAdapterEngine:
     def save_checkpoint(self, local_path: str, hdfs_path: str | None = None, global_step: int = 0,
                         max_ckpt_to_keep: int | None = None, **kwargs: Any) -> None:
         super().save_checkpoint(local_path, hdfs_path, global_step, max_ckpt_to_keep, **kwargs)
-        from peft.utils.save_and_load import get_peft_model_state_dict
-        from safetensors.torch import save_file
+        from verl.utils.fsdp_utils import load_fsdp_model_to_gpu, offload_fsdp_model_to_cpu
 
         manager = self.checkpoint_manager
         rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
         model = self._peft_model()
+        # verl's save has offloaded the module again (a non-blocking copy to the host): stage it on the device, as
+        # verl does for its own save, before reading the adapters, so that no shard is read mid-copy.
+        staged = self._is_offload_param and not self._uses_fsdp2_cpu_offload_policy
+        if staged:
+            load_fsdp_model_to_gpu(self.module)
+        try:
+            self._save_adapters(local_path, global_step, model, manager, rank, world)
+        finally:
+            if staged:
+                offload_fsdp_model_to_cpu(self.module)
+        torch.distributed.barrier()
+
+    def _save_adapters(self, local_path: str, global_step: int, model: Any, manager: Any, rank: int,
+                       world: int) -> None:
+        """Each adapter in the PEFT format (rank 0) and its optimiser and scheduler state (every rank)."""
+        from peft.utils.save_and_load import get_peft_model_state_dict
+        from safetensors.torch import save_file
+
         state = self.module.state_dict()  # collective under FSDP: every rank gathers
         for policy in self.mas_policies:
             folder = os.path.join(local_path, ADAPTERS_DIR, policy)
@@ -276,7 +293,6 @@ class MultiAdapterEngine:
                 torch.save({"optimizer": self._mas_optimizers[policy].state_dict(),
                             "lr_scheduler": self._mas_schedulers[policy].state_dict()},
                            os.path.join(folder, f"optim_world_size_{world}_rank_{rank}.pt"))
-        torch.distributed.barrier()
 
     def load_checkpoint(self, local_path: str, hdfs_path: str | None = None, del_local_after_load: bool = True,
                         **kwargs: Any) -> None:
@@ -293,13 +309,28 @@ class MultiAdapterEngine:
                 "saved by a run with other mas.policies or world size; resume with the same ones, or start fresh "
                 "(trainer.resume_mode=disable)."
             )
-        for policy in self.mas_policies:
-            state = torch.load(os.path.join(local_path, ADAPTERS_DIR, policy, f"optim_world_size_{world}_rank_{rank}.pt"),
-                               weights_only=False)
-            if manager.should_load_optimizer:
-                self._mas_optimizers[policy].load_state_dict(state["optimizer"])
-            if manager.should_load_extra:
-                self._mas_schedulers[policy].load_state_dict(state["lr_scheduler"])
+        from verl.utils.fsdp_utils import load_fsdp_model_to_gpu, offload_fsdp_model_to_cpu, offload_fsdp_optimizer
+
+        # torch's load_state_dict puts each optimiser state beside its parameter: load with the module on the device,
+        # as verl loads its own optimiser (its load has offloaded the module again), so that with param_offload and
+        # a resident optimiser the states are on the device when the update runs; then offload them as verl does.
+        staged = self._is_offload_param and not self._uses_fsdp2_cpu_offload_policy
+        if staged:
+            load_fsdp_model_to_gpu(self.module)
+        try:
+            for policy in self.mas_policies:
+                state = torch.load(os.path.join(local_path, ADAPTERS_DIR, policy,
+                                                f"optim_world_size_{world}_rank_{rank}.pt"), weights_only=False)
+                if manager.should_load_optimizer:
+                    self._mas_optimizers[policy].load_state_dict(state["optimizer"])
+                if manager.should_load_extra:
+                    self._mas_schedulers[policy].load_state_dict(state["lr_scheduler"])
+        finally:
+            if staged:
+                offload_fsdp_model_to_cpu(self.module)
+        if self._is_offload_optimizer and manager.should_load_optimizer:
+            for opt in self._mas_optimizers.values():
+                offload_fsdp_optimizer(opt)
         self.mas_activate(self.mas_active)
 
     # ---- diagnostics (tests, benchmarks) ----
