@@ -105,11 +105,14 @@ def advantages(candidates: list[Any], eps: float = 1e-6) -> list[float]:
 
 
 def update(model: Any, optim: torch.optim.Optimizer, candidates: list[Any], adv: list[float], pad_id: int,
-           minibatches: int, clip: float = 0.2) -> float:
-    """PPO-clip update (token-mean loss) on all candidates, split into ``minibatches`` optimiser steps."""
+           minibatches: int, clip: float = 0.2, clip_grad: float = 1.0) -> tuple[float, float, float]:
+    """PPO-clip update (token-mean loss) on all candidates, split into ``minibatches`` optimiser steps.
+
+    Returns the mean over mini-batches of the loss, of the gradient norm before clipping (verl's
+    ``actor/grad_norm``) and of the policy's entropy over the response tokens (verl's ``actor/entropy``)."""
     order = list(range(len(candidates)))
     random.shuffle(order)
-    losses = []
+    losses, norms, entropies = [], [], []
     for mb in range(minibatches):
         idx = order[mb::minibatches]
         seqs = [list(candidates[i].prompt_ids) + list(candidates[i].response_ids) for i in idx]
@@ -128,17 +131,20 @@ def update(model: Any, optim: torch.optim.Optimizer, candidates: list[Any], adv:
             old[row, p : p + r] = torch.tensor(c.logprobs)
             a[row, 0] = adv[i]
         logits = model(input_ids=input_ids, attention_mask=attn).logits[:, :-1].float()  # (b, width - 1, V)
-        logp = torch.log_softmax(logits, -1).gather(-1, input_ids[:, 1:, None])[..., 0]  # (b, width - 1)
+        all_logp = torch.log_softmax(logits, -1)
+        logp = all_logp.gather(-1, input_ids[:, 1:, None])[..., 0]  # (b, width - 1)
         mask, old = resp_mask[:, 1:], old[:, 1:]
+        entropy = -(all_logp.exp() * all_logp).sum(-1)  # (b, width - 1)
+        entropies.append(float((entropy.detach() * mask).sum() / mask.sum()))
         ratio = torch.exp(logp - old)
         surrogate = torch.minimum(ratio * a, torch.clamp(ratio, 1 - clip, 1 + clip) * a)
         loss = -(surrogate * mask).sum() / mask.sum()
         optim.zero_grad()
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad)))
         optim.step()
         losses.append(float(loss.detach()))
-    return statistics.fmean(losses)
+    return statistics.fmean(losses), statistics.fmean(norms), statistics.fmean(entropies)
 
 
 def main() -> None:
@@ -154,6 +160,8 @@ def main() -> None:
     parser.add_argument("--minibatches", type=int, default=2, help="PPO mini-batches per step")
     parser.add_argument("--weight-decay", type=float, default=0.0,
                         help="AdamW's decoupled weight decay (verl's actor default: 0.01); 0: plain Adam")
+    parser.add_argument("--clip-grad", type=float, default=1.0,
+                        help="the gradient-norm clip before each optimiser step (verl's actor.optim.clip_grad: 1.0)")
     parser.add_argument("--max-new-tokens", type=int, default=3)
     parser.add_argument("--eval-every", type=int, default=10)
     parser.add_argument("--seed", type=int, default=0)
@@ -202,7 +210,8 @@ def main() -> None:
         model.train()
         cands = [c for e in episodes for c in e.trainable()]
         adv = advantages(cands)
-        loss = update(model, optim, cands, adv, tokenizer.pad_token_id, args.minibatches)
+        loss, grad_norm, entropy = update(model, optim, cands, adv, tokenizer.pad_token_id, args.minibatches,
+                                         clip_grad=args.clip_grad)
         success = statistics.fmean(e.metrics["mas/success"] for e in episodes)
         by_role = {
             role: statistics.fmean([c.reward for c in cands if c.role == role] or [0.0]) for role in workflow.roles
@@ -213,7 +222,8 @@ def main() -> None:
         elapsed = time.perf_counter() - start
         history.append((success, elapsed))
         print(f"step {step:3d}  success {success:.2f}  " + "  ".join(f"{r} {v:.2f}" for r, v in by_role.items()) + "  "
-              f"zero-std groups {zero_std:.2f}  loss {loss:+.3f}  {elapsed:6.1f}s", flush=True)
+              f"zero-std groups {zero_std:.2f}  loss {loss:+.3f}  grad norm {grad_norm:.2f}  entropy {entropy:.2f}  "
+              f"{elapsed:6.1f}s", flush=True)
         if step % args.eval_every == 0:
             evaluate(step)
     # 16 episodes per step make single steps noisy: summarise with 10-step windows.
