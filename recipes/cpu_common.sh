@@ -6,13 +6,22 @@
 # gets hidden 128 (head size 32), in a directory of its own: a model built for the hf rollout is never reused.
 ROLLOUT=hf
 CLUSTER=
+TP=1
 for arg in "$@"; do
   case "$arg" in
     cpu_rollout=*|+cpu_rollout=*|++cpu_rollout=*) ROLLOUT="${arg#*cpu_rollout=}" ;;
     actor_rollout_ref.rollout.name=*|+actor_rollout_ref.rollout.name=*|++actor_rollout_ref.rollout.name=*) ROLLOUT="${arg#*=}" ;;
+    actor_rollout_ref.rollout.tensor_model_parallel_size=*) TP="${arg#*=}" ;;
     ray_kwargs.ray_init.address=*) [ "${arg#*=}" = local ] || CLUSTER=1 ;;
   esac
 done
+# vLLM's CPU build binds each tensor-parallel worker's OpenMP threads to a NUMA node of its own by default and refuses
+# more workers than nodes ("Not enough allowed NUMA nodes to bind threads of 2 local CPUWorkers"): with tensor
+# parallel > 1 on a machine of fewer nodes, let the operating system place the threads (or set your own binding,
+# e.g. VLLM_CPU_OMP_THREADS_BIND='0|1').
+if [ "$ROLLOUT" = vllm ] && [ "$TP" != 1 ] && [ -z "${VLLM_CPU_OMP_THREADS_BIND:-}" ]; then
+  export VLLM_CPU_OMP_THREADS_BIND=nobind
+fi
 MODEL="$RUN_DIR/model"; SHAPE=()
 if [ "$ROLLOUT" = vllm ]; then MODEL="$RUN_DIR/model-h128"; SHAPE=(--hidden-size 128); fi
 
@@ -32,8 +41,8 @@ unset RAY_ADDRESS
 ray_env() {
   [ -n "$CLUSTER" ] || return 0
   RAY_ENV=(ray_kwargs.ray_init.num_cpus=null ray_kwargs.ray_init.num_gpus=null)
-  for name in VERL_PLATFORM TQ_NUM_THREADS PYTHONWARNINGS VERL_FILE_LOGGER_PATH; do
-    RAY_ENV+=("+ray_kwargs.ray_init.runtime_env.env_vars.$name='${!name}'")
+  for name in VERL_PLATFORM TQ_NUM_THREADS PYTHONWARNINGS VERL_FILE_LOGGER_PATH VLLM_CPU_OMP_THREADS_BIND; do
+    if [ -n "${!name:-}" ]; then RAY_ENV+=("+ray_kwargs.ray_init.runtime_env.env_vars.$name='${!name}'"); fi
   done
 }
 RAY_ENV=()

@@ -105,13 +105,19 @@ def test_the_head_sizes_checked_at_start_up_are_the_ones_vllms_cpu_attention_ser
 #: (``VERL_MAS_VLLM_FREEZE_WEIGHTS=after:2``: the initial sync and step 1's load), so step 3 samples from step 2's
 #: weights while the actor has moved on: the synced run and its negative control in one start-up.
 SYNCED_STEPS, STEPS = 2, 3
+#: Tensor parallel 2 over the two ranks: one vLLM replica whose two workers each hold half of every sharded layer.
+TP = ("trainer.n_gpus_per_node=2", "ray_kwargs.ray_init.num_gpus=2", "actor_rollout_ref.rollout.tensor_model_parallel_size=2")
 
 
-def test_grpo_main_ppo_on_vllm_samples_from_the_synced_weights_and_a_frozen_rollout_is_caught(tmp_path: Path,
-                                                                                              recipe_runs) -> None:
+def test_grpo_main_ppo_on_vllm_at_tensor_parallel_2_samples_from_the_synced_weights_and_a_frozen_rollout_is_caught(
+        tmp_path: Path, recipe_runs) -> None:
+    """Stock verl GRPO on verl's vLLM rollout at tensor parallel 2 (vLLM's CPU build, two workers over gloo; the CPU
+    recipes let the OS place their threads, recipes/cpu_common.sh). Each rank sends the whole model to its own TP
+    worker, which loads its shard: a worker left stale would leave half of every sharded layer behind, and the
+    rollout-vs-actor gap would show it, as the frozen steps do."""
     run_dir = tmp_path / "run"
-    run_dir.mkdir()  # the recipe builds model-h128, which vLLM serves (head size 32)
-    proc, metrics = recipe_runs.run(SMOKE, run_dir, *VLLM, python=_vllm_python(), steps=STEPS,
+    run_dir.mkdir()  # the recipe builds model-h128, which vLLM serves (head size 32; 4 heads, 2 KV heads: TP 2 splits)
+    proc, metrics = recipe_runs.run(SMOKE, run_dir, *VLLM, *TP, python=_vllm_python(), steps=STEPS,
                                     VERL_MAS_VLLM_FREEZE_WEIGHTS=f"after:{SYNCED_STEPS}")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     gaps = [m["data"]["training/rollout_probs_diff_mean"] for m in metrics]
