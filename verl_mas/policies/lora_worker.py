@@ -25,6 +25,7 @@ The rest (loss, micro-batching, FSDP, offload) is verl's.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -218,7 +219,6 @@ class MultiAdapterEngine:
         own LoRA sync sends them.
         """
         from peft.utils.save_and_load import get_peft_model_state_dict
-        from verl.utils.fsdp_utils import load_fsdp_model_to_gpu, offload_fsdp_model_to_cpu
         from verl.utils.model import convert_weight_keys
 
         model = self._peft_model()
@@ -231,10 +231,7 @@ class MultiAdapterEngine:
             # FSDP2's state dict refers to the shards (offloaded or not); each is gathered when it is read.
             state = self.module.state_dict()
             return base_tensors(state, model, self.model_config.hf_config.model_type), {ADAPTERS_KEY: configs}
-        staged = self._is_offload_param and not self._uses_fsdp2_cpu_offload_policy
-        if staged:
-            load_fsdp_model_to_gpu(self.module)
-        try:
+        with self._module_on_device():
             state = self.module.state_dict()
             tensors = [  # adapters are small: gathered here, while the module is staged
                 (adapter_tensor_name(policy, key), _full(t))
@@ -243,56 +240,55 @@ class MultiAdapterEngine:
                     get_peft_model_state_dict(model, state_dict=state, adapter_name=self._peft_name(policy)),
                     model).items()
             ]
+        return iter(tensors), {ADAPTERS_KEY: configs}
+
+    @contextlib.contextmanager
+    def _module_on_device(self) -> Iterator[None]:
+        """The module on the device for the block, as verl stages it for its own reads and loads: with
+        ``param_offload`` it lives on the host between calls (verl moves it there with a non-blocking copy)."""
+        from verl.utils.fsdp_utils import load_fsdp_model_to_gpu, offload_fsdp_model_to_cpu
+
+        staged = self._is_offload_param and not self._uses_fsdp2_cpu_offload_policy
+        if staged:
+            load_fsdp_model_to_gpu(self.module)
+        try:
+            yield
         finally:
             if staged:
                 offload_fsdp_model_to_cpu(self.module)
-        return iter(tensors), {ADAPTERS_KEY: configs}
 
     # ---- checkpoints ----
     def save_checkpoint(self, local_path: str, hdfs_path: str | None = None, global_step: int = 0,
                         max_ckpt_to_keep: int | None = None, **kwargs: Any) -> None:
         super().save_checkpoint(local_path, hdfs_path, global_step, max_ckpt_to_keep, **kwargs)
-        from verl.utils.fsdp_utils import load_fsdp_model_to_gpu, offload_fsdp_model_to_cpu
+        from peft.utils.save_and_load import get_peft_model_state_dict
+        from safetensors.torch import save_file
 
         manager = self.checkpoint_manager
         rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
         model = self._peft_model()
-        # verl's save has offloaded the module again (a non-blocking copy to the host): stage it on the device, as
-        # verl does for its own save, before reading the adapters, so that no shard is read mid-copy.
-        staged = self._is_offload_param and not self._uses_fsdp2_cpu_offload_policy
-        if staged:
-            load_fsdp_model_to_gpu(self.module)
-        try:
-            self._save_adapters(local_path, global_step, model, manager, rank, world)
-        finally:
-            if staged:
-                offload_fsdp_model_to_cpu(self.module)
+        # verl's save has offloaded the module again (a non-blocking copy to the host): read the adapters with it
+        # staged on the device, as verl's own save reads, so that no shard is read mid-copy.
+        with self._module_on_device():
+            state = self.module.state_dict()  # collective under FSDP: every rank gathers
+            for policy in self.mas_policies:
+                folder = os.path.join(local_path, ADAPTERS_DIR, policy)
+                os.makedirs(folder, exist_ok=True)
+                peft_name = self._peft_name(policy)
+                tensors = {k: _full(v).cpu().contiguous() for k, v in
+                           get_peft_model_state_dict(model, state_dict=state, adapter_name=peft_name).items()}
+                if rank == 0 and manager.should_save_model:
+                    save_file(tensors, os.path.join(folder, "adapter_model.safetensors"), metadata={"format": "pt"})
+                    config = model.peft_config[peft_name]
+                    config.save_pretrained(folder)
+                    with open(os.path.join(folder, "mas_adapter.json"), "w") as f:
+                        json.dump({"policy": policy, "global_step": int(global_step), "rank": int(config.r),
+                                   "lora_alpha": int(config.lora_alpha)}, f, indent=2)
+                if manager.should_save_optimizer or manager.should_save_extra:
+                    torch.save({"optimizer": self._mas_optimizers[policy].state_dict(),
+                                "lr_scheduler": self._mas_schedulers[policy].state_dict()},
+                               os.path.join(folder, f"optim_world_size_{world}_rank_{rank}.pt"))
         torch.distributed.barrier()
-
-    def _save_adapters(self, local_path: str, global_step: int, model: Any, manager: Any, rank: int,
-                       world: int) -> None:
-        """Each adapter in the PEFT format (rank 0) and its optimiser and scheduler state (every rank)."""
-        from peft.utils.save_and_load import get_peft_model_state_dict
-        from safetensors.torch import save_file
-
-        state = self.module.state_dict()  # collective under FSDP: every rank gathers
-        for policy in self.mas_policies:
-            folder = os.path.join(local_path, ADAPTERS_DIR, policy)
-            os.makedirs(folder, exist_ok=True)
-            peft_name = self._peft_name(policy)
-            tensors = {k: _full(v).cpu().contiguous()
-                       for k, v in get_peft_model_state_dict(model, state_dict=state, adapter_name=peft_name).items()}
-            if rank == 0 and manager.should_save_model:
-                save_file(tensors, os.path.join(folder, "adapter_model.safetensors"), metadata={"format": "pt"})
-                config = model.peft_config[peft_name]
-                config.save_pretrained(folder)
-                with open(os.path.join(folder, "mas_adapter.json"), "w") as f:
-                    json.dump({"policy": policy, "global_step": int(global_step), "rank": int(config.r),
-                               "lora_alpha": int(config.lora_alpha)}, f, indent=2)
-            if manager.should_save_optimizer or manager.should_save_extra:
-                torch.save({"optimizer": self._mas_optimizers[policy].state_dict(),
-                            "lr_scheduler": self._mas_schedulers[policy].state_dict()},
-                           os.path.join(folder, f"optim_world_size_{world}_rank_{rank}.pt"))
 
     def load_checkpoint(self, local_path: str, hdfs_path: str | None = None, del_local_after_load: bool = True,
                         **kwargs: Any) -> None:
@@ -309,15 +305,12 @@ class MultiAdapterEngine:
                 "saved by a run with other mas.policies or world size; resume with the same ones, or start fresh "
                 "(trainer.resume_mode=disable)."
             )
-        from verl.utils.fsdp_utils import load_fsdp_model_to_gpu, offload_fsdp_model_to_cpu, offload_fsdp_optimizer
+        from verl.utils.fsdp_utils import offload_fsdp_optimizer
 
         # torch's load_state_dict puts each optimiser state beside its parameter: load with the module on the device,
         # as verl loads its own optimiser (its load has offloaded the module again), so that with param_offload and
         # a resident optimiser the states are on the device when the update runs; then offload them as verl does.
-        staged = self._is_offload_param and not self._uses_fsdp2_cpu_offload_policy
-        if staged:
-            load_fsdp_model_to_gpu(self.module)
-        try:
+        with self._module_on_device():
             for policy in self.mas_policies:
                 state = torch.load(os.path.join(local_path, ADAPTERS_DIR, policy,
                                                 f"optim_world_size_{world}_rank_{rank}.pt"), weights_only=False)
@@ -325,9 +318,6 @@ class MultiAdapterEngine:
                     self._mas_optimizers[policy].load_state_dict(state["optimizer"])
                 if manager.should_load_extra:
                     self._mas_schedulers[policy].load_state_dict(state["lr_scheduler"])
-        finally:
-            if staged:
-                offload_fsdp_model_to_cpu(self.module)
         if self._is_offload_optimizer and manager.should_load_optimizer:
             for opt in self._mas_optimizers.values():
                 offload_fsdp_optimizer(opt)
