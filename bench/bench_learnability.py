@@ -7,6 +7,15 @@ candidates per (task, role, turn), commit the best), group-normalised advantages
 PPO-clip policy-gradient update (token-mean) on every trainable candidate. Sampling is plain
 temperature-1 sampling from the same model whose log-probs are trained (on-policy).
 
+Two switches put verl's own parts in place of the hand-written ones, one at a time or both, to tell a
+difference of algorithm from a difference of pipeline when ``main_ppo`` and this learner disagree:
+``--update verl`` runs each update through verl's FSDP2 actor (``ActorRolloutRefWorker(role="actor")`` from
+verl's ``ppo_trainer`` config with the CPU recipe's actor settings: fp32, token-packed micro-batches of 2,048
+tokens, rows shuffled, AdamW, ``compute_log_prob`` then ``update_actor`` on verl's no-padding TensorDicts) in a
+one-rank gloo group of this process, and samples from its gathered weights; ``--sampler engine`` samples with
+verl_mas's hf rollout engine (:class:`verl_mas.backends.hf.engine.HFGenerationEngine`, the hf server's), every
+candidate its own request and the concurrent episodes' requests batched, left-padded, as in a ``main_ppo`` run.
+
 Prints, per step, the team success rate of the training episodes (what verl reports as
 ``mas/success_rate``), the mean reward per role and the wall time; every ``--eval-every`` steps, the
 success of single-sample (K = 1) episodes on the test tasks, where no best-of-K selection helps, sampled at
@@ -16,13 +25,18 @@ Usage::
 
     python bench/bench_learnability.py [--workflow relay-v0 --steps 150 --batch 16 --k 4 --lr 3e-3 --seed 0]
     python bench/bench_learnability.py --workflow gridwalk-v0 --turns 6 --train 256 --test 64
+    python bench/bench_learnability.py --workflow gridwalk-v0 --turns 6 --train 256 --test 64 --k 8 --lr 1e-3 \
+        --max-new-tokens 1 --steps 100 --eval-every 20 --weight-decay 0.01 --update verl --sampler engine
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib
+import os
 import random
+import socket
 import statistics
 import tempfile
 import time
@@ -33,6 +47,8 @@ import torch
 
 from verl_mas import EpisodeConfig, Sample, get_workflow, run_episode
 from verl_mas.data import read_tasks, write_dataset
+from verl_mas.minibatch import dropped_rows_steps
+from verl_mas.backends.hf.engine import HFGenerationEngine, SamplingSettings
 from verl_mas.tiny import CHAT_TEMPLATE, build_model, build_tokenizer
 
 
@@ -77,6 +93,130 @@ class TorchSampler:
 
     async def generate(self, request: Any) -> list[Sample]:
         return self._sample(list(request.prompt_ids), request.n)
+
+
+class EngineSampler:
+    """An ``LLMClient`` on verl_mas's hf rollout engine: each of a group's K candidates is a request of its own, and
+    the requests of concurrent episodes are decoded together (left-padded batches), as the hf server serves them."""
+
+    def __init__(self, model: Any, tokenizer: Any, max_new_tokens: int, seed: int) -> None:
+        self.engine = HFGenerationEngine(model, [tokenizer.eos_token_id], seed=seed)
+        self.max_new_tokens = max_new_tokens
+        self.greedy = False
+
+    async def generate(self, request: Any) -> list[Sample]:
+        settings = SamplingSettings(max_tokens=self.max_new_tokens, temperature=0.0 if self.greedy else 1.0)
+        outs = await asyncio.gather(*(self.engine.generate(list(request.prompt_ids), settings)
+                                      for _ in range(request.n)))
+        return [Sample(token_ids=list(o.token_ids), logprobs=list(o.log_probs), stop_reason=o.stop_reason)
+                for o in outs]
+
+
+def start_one_rank_group() -> None:
+    """The torchrun-style environment of a one-rank gloo group in this process, read when verl is imported
+    (``VERL_PLATFORM=cpu``: verl_mas's CPU platform) and by verl's worker."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    os.environ.update(VERL_PLATFORM="cpu", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+
+
+class VerlUpdate:
+    """The PPO update through verl's FSDP2 actor, with the CPU recipe's actor settings (recipes/at_grpo_cpu), on the
+    weights of ``model``, which it refreshes from the actor after every update (the samplers read ``model``)."""
+
+    def __init__(self, model: Any, tokenizer: Any, *, lr: float, weight_decay: float, clip_grad: float) -> None:
+        importlib.import_module("verl")  # with VERL_PLATFORM=cpu: verl_mas's cpu platform
+        from hydra import compose, initialize_config_module
+        from verl.workers.engine_workers import ActorRolloutRefWorker
+
+        with tempfile.TemporaryDirectory(prefix="bench_learnability_actor_") as workdir:
+            model.save_pretrained(workdir)
+            tokenizer.save_pretrained(workdir)
+            with initialize_config_module("verl.trainer.config", version_base=None):
+                config = compose("ppo_trainer", overrides=self.overrides(workdir, lr=lr, weight_decay=weight_decay,
+                                                                         clip_grad=clip_grad))
+            self.worker = ActorRolloutRefWorker(config=config.actor_rollout_ref, role="actor")
+            self.worker.init_model()  # loads the weights from workdir
+        self.model = model
+        self._pull()
+
+    @staticmethod
+    def overrides(model_path: str, *, lr: float, weight_decay: float, clip_grad: float) -> list[str]:
+        """verl's ``ppo_trainer`` config with the CPU recipe's actor settings (recipes/at_grpo_cpu/at_grpo_cpu.yaml)."""
+        return [
+            f"actor_rollout_ref.model.path={model_path}",
+            "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
+            "actor_rollout_ref.model.enable_gradient_checkpointing=false",
+            "actor_rollout_ref.actor.strategy=fsdp2",
+            "+actor_rollout_ref.actor.fsdp_config.mixed_precision={param_dtype:fp32,reduce_dtype:fp32,buffer_dtype:fp32}",
+            "actor_rollout_ref.actor.fsdp_config.use_torch_compile=false",
+            "actor_rollout_ref.actor.use_torch_compile=false",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=1",  # each call below names its mini-batch size
+            "actor_rollout_ref.actor.use_dynamic_bsz=true",
+            "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=2048",
+            "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=true",
+            "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=2048",
+            "actor_rollout_ref.rollout.n=1",
+            f"actor_rollout_ref.actor.optim.lr={lr}",
+            f"actor_rollout_ref.actor.optim.weight_decay={weight_decay}",
+            f"actor_rollout_ref.actor.optim.clip_grad={clip_grad}",
+            "actor_rollout_ref.actor.entropy_coeff=0",
+            "actor_rollout_ref.actor.use_kl_loss=false",
+        ]
+
+    def _pull(self) -> None:
+        module = self.worker.actor.engine.module
+        weights = {n: p.detach().full_tensor() for n, p in module.named_parameters()}
+        missing, unexpected = self.model.load_state_dict(weights, strict=False)
+        # verl's module lists a tied lm_head once, as the embedding
+        if unexpected or any("lm_head" not in name for name in missing):
+            raise RuntimeError(f"verl's actor and the sampling model disagree on parameters: missing {missing}, "
+                               f"unexpected {unexpected}")
+
+    def _batch(self, candidates: list[Any], **fields: Any) -> tuple[Any, torch.Tensor]:
+        """verl's layout (prompts left-padded, responses right-padded) as its trainer converts it: no padding."""
+        from verl.utils import tensordict_utils as tu
+        from verl.workers.utils.padding import left_right_2_no_padding
+
+        rows = len(candidates)
+        width_p = max(len(c.prompt_ids) for c in candidates)
+        width_r = max(len(c.response_ids) for c in candidates)
+        prompts, responses = torch.zeros(rows, width_p, dtype=torch.long), torch.zeros(rows, width_r, dtype=torch.long)
+        prompt_mask, response_mask = torch.zeros_like(prompts), torch.zeros_like(responses)
+        for i, c in enumerate(candidates):
+            p, r = len(c.prompt_ids), len(c.response_ids)
+            prompts[i, width_p - p:], prompt_mask[i, width_p - p:] = torch.tensor(c.prompt_ids), 1
+            responses[i, :r], response_mask[i, :r] = torch.tensor(c.response_ids), 1
+        attention = torch.cat([prompt_mask, response_mask], dim=1)
+        td = tu.get_tensordict({"prompts": prompts, "responses": responses,
+                                "input_ids": torch.cat([prompts, responses], dim=1), "attention_mask": attention,
+                                "position_ids": (attention.cumsum(1) - 1).clamp(min=0),
+                                "response_mask": response_mask, **fields})
+        return left_right_2_no_padding(td), response_mask
+
+    def __call__(self, candidates: list[Any], adv: list[float], minibatches: int) -> tuple[float, float, float]:
+        from verl.utils import tensordict_utils as tu
+        from verl.workers.utils.padding import no_padding_2_padding
+
+        # Whole mini-batches, as the mas trainer pads: copies at advantage 0 (a singleton group's).
+        extra = -len(candidates) % minibatches
+        candidates, adv = candidates + candidates[:extra], list(adv) + [0.0] * extra
+        td, response_mask = self._batch(candidates)
+        tu.assign_non_tensor(td, calculate_entropy=True, compute_loss=False, temperature=1.0)
+        old = no_padding_2_padding(tu.get(self.worker.compute_log_prob(td), "log_probs"), td).float() * response_mask
+        advantages = torch.tensor(adv, dtype=torch.float32)[:, None] * response_mask
+        td, _ = self._batch(candidates, old_log_probs=old, advantages=advantages)
+        size = len(candidates) // minibatches
+        # the keys verl's trainer attaches before update_actor (PPOTrainer._update_actor)
+        tu.assign_non_tensor(td, calculate_entropy=True, distillation_use_topk=False, distillation_only=False,
+                             global_batch_size=size, mini_batch_size=size, epochs=1, seed=42,
+                             dataloader_kwargs={"shuffle": True}, compute_loss=True, temperature=1.0)
+        metrics = tu.get(self.worker.update_actor(td), "metrics")
+        self._pull()
+        return (statistics.fmean(metrics["actor/pg_loss"]), statistics.fmean(metrics["grad_norm"]),
+                statistics.fmean(metrics["actor/entropy_loss"]))
 
 
 async def play(
@@ -163,12 +303,24 @@ def main() -> None:
     parser.add_argument("--clip-grad", type=float, default=1.0,
                         help="the gradient-norm clip before each optimiser step (verl's actor.optim.clip_grad: 1.0)")
     parser.add_argument("--max-new-tokens", type=int, default=3)
+    parser.add_argument("--drop-zero-variance", action="store_true",
+                        help="train only the rows of groups whose rewards differ in ceil(minibatches x kept / all rows) "
+                             "mini-batches, as main_ppo's mas.drop_zero_variance (the recipes' default) does "
+                             "(verl_mas.minibatch.dropped_rows_steps); without it every candidate trains")
+    parser.add_argument("--drop-keeps-steps", action="store_true",
+                        help="with --drop-zero-variance: split the kept rows into --minibatches mini-batches still")
+    parser.add_argument("--update", choices=("torch", "verl"), default="torch",
+                        help="the PPO update: the hand-written one below, or verl's FSDP2 actor's")
+    parser.add_argument("--sampler", choices=("torch", "engine"), default="torch",
+                        help="sampling: a plain KV-cached loop, or verl_mas's hf rollout engine (the hf server's)")
     parser.add_argument("--eval-every", type=int, default=10)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1 is fastest for this model size)")
     parser.add_argument("--chat", choices=("compact", "chatml"), default="compact",
                         help="the tailored tokenizer's chat layout: its compact default or ChatML (10-token prompts)")
     args = parser.parse_args()
+    if args.update == "verl":
+        start_one_rank_group()
     torch.set_num_threads(args.threads)
     random.seed(args.seed)
 
@@ -179,14 +331,23 @@ def main() -> None:
     tokenizer = build_tokenizer(vocab=workflow.vocabulary,
                                 chat_template=CHAT_TEMPLATE if args.chat == "chatml" else None)
     model = build_model(tokenizer, seed=args.seed)
-    optim = (torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay) if args.weight_decay
-             else torch.optim.Adam(model.parameters(), lr=args.lr))
+    if args.update == "verl":
+        step_update = VerlUpdate(model, tokenizer, lr=args.lr, weight_decay=args.weight_decay,
+                                 clip_grad=args.clip_grad)
+    else:
+        optim = (torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+                 if args.weight_decay else torch.optim.Adam(model.parameters(), lr=args.lr))
+
+        def step_update(cands: list[Any], adv: list[float], minibatches: int) -> tuple[float, float, float]:
+            return update(model, optim, cands, adv, tokenizer.pad_token_id, minibatches, clip_grad=args.clip_grad)
     gen = torch.Generator().manual_seed(args.seed)
-    client = TorchSampler(model, tokenizer, args.max_new_tokens, gen)
+    client: TorchSampler | EngineSampler = (
+        EngineSampler(model, tokenizer, args.max_new_tokens, args.seed) if args.sampler == "engine"
+        else TorchSampler(model, tokenizer, args.max_new_tokens, gen))
     config = EpisodeConfig(branching=args.k, max_turns=args.turns)
     eval_config = EpisodeConfig(branching=1, max_turns=args.turns)
     print(f"vocab {len(tokenizer)} tokens, {sum(p.numel() for p in model.parameters())} parameters, "
-          f"K={args.k} T={args.turns} batch={args.batch} lr={args.lr}")
+          f"K={args.k} T={args.turns} batch={args.batch} lr={args.lr}, update: {args.update}, sampler: {args.sampler}")
 
     def evaluate(step: int) -> None:
         model.eval()
@@ -210,8 +371,18 @@ def main() -> None:
         model.train()
         cands = [c for e in episodes for c in e.trainable()]
         adv = advantages(cands)
-        loss, grad_norm, entropy = update(model, optim, cands, adv, tokenizer.pad_token_id, args.minibatches,
-                                         clip_grad=args.clip_grad)
+        trained, trained_adv, minibatches = cands, adv, args.minibatches
+        if args.drop_zero_variance:
+            rewards: dict[str, set[float]] = defaultdict(set)
+            for c in cands:
+                rewards[c.group_key].add(c.reward)
+            kept = [i for i, c in enumerate(cands) if len(rewards[c.group_key]) > 1]
+            trained, trained_adv = [cands[i] for i in kept], [adv[i] for i in kept]
+            if kept and not args.drop_keeps_steps:
+                minibatches = dropped_rows_steps(args.minibatches, len(kept), len(cands))
+        # as main_ppo: no optimiser step without a row to train
+        nan = float("nan")
+        loss, grad_norm, entropy = step_update(trained, trained_adv, minibatches) if trained else (nan, nan, nan)
         success = statistics.fmean(e.metrics["mas/success"] for e in episodes)
         by_role = {
             role: statistics.fmean([c.reward for c in cands if c.role == role] or [0.0]) for role in workflow.roles
