@@ -118,12 +118,12 @@ print(json.dumps({"groups": groups, "actors": actors}))
 
 
 @pytest.mark.slow
-def test_per_role_models_of_different_sizes_train_at_two_ranks_route_sync_and_resume_across_three_nodes(
+def test_per_role_models_of_different_sizes_train_at_two_ranks_each_route_sync_and_resume_across_four_nodes(
         tmp_path: Path, recipe_runs) -> None:
-    """mas_policies=per_role_models: the caller on verl's pool at data-parallel 2 (two ranks, one hf rollout replica
-    each), the runner, a model of another size and family, on a resource pool of its own (one rank). Two steps on a
-    local Ray, then a resume on a three-node Ray cluster: the caller over two nodes (``trainer.nnodes=2``, one rank
-    and one replica a node), the runner on the third."""
+    """mas_policies=per_role_models: the caller on verl's pool, the runner, a model of another size and family, on a
+    resource pool of its own, each at data-parallel 2 (two ranks, one hf rollout replica each). Two steps on a local
+    Ray, then a resume on a four-node Ray cluster: the caller over two nodes (``trainer.nnodes=2``, one rank and one
+    replica a node), the runner over the two others (its ``resources: {nnodes: 2}``)."""
     from verl_mas.tiny import write_tiny
 
     run_dir = tmp_path / "run"
@@ -140,9 +140,9 @@ def test_per_role_models_of_different_sizes_train_at_two_ranks_route_sync_and_re
     write_tiny(run_dir / "model", vocab=list(RelayWorkflow.vocabulary), chat_template=CHAT_TEMPLATE)
     policies = ["mas_policies=per_role_models", f"+mas.policies.runner.model.path={runner_model}",
                 "+mas.policies.runner.actor={optim: {weight_decay: 0.0}}",
-                "+mas.policies.runner.resources={n_gpus_per_node: 1}"]
+                f"+mas.policies.runner.resources={{n_gpus_per_node: {DP}}}"]
     metrics = _run(run_dir, recipe_runs.relay_shape, *policies, f"trainer.n_gpus_per_node={DP}",
-                   f"ray_kwargs.ray_init.num_gpus={DP + 1}", "trainer.total_training_steps=2", "trainer.save_freq=2",
+                   f"ray_kwargs.ray_init.num_gpus={2 * DP}", "trainer.total_training_steps=2", "trainer.save_freq=2",
                    SAVE_HF, "trainer.test_freq=2", f"trainer.validation_data_dir={run_dir / 'val1'}")
     steps = [m for m in metrics if "mas/success_rate" in m["data"]]
     assert [m["step"] for m in steps] == [1, 2]
@@ -152,10 +152,10 @@ def test_per_role_models_of_different_sizes_train_at_two_ranks_route_sync_and_re
             f"{p}: probs_diff={d[f'policy/{p}/training/rollout_probs_diff_mean']:.1e} "
             f"grad_norm={d[f'policy/{p}/actor/grad_norm']:.3g} requests={d[f'policy/{p}/rollout/requests']:.0f} "
             f"syncs={d[f'policy/{p}/rollout/weight_updates']:.0f}" for p in ("caller", "runner"))
-            + " caller's replicas: requests " + "+".join(f"{d[f'policy/caller/rollout/replica{r}/requests']:.0f}"
-                                                         for r in range(DP))
+            + " replicas' requests: " + ", ".join(p + " " + "+".join(
+                f"{d[f'policy/{p}/rollout/replica{r}/requests']:.0f}" for r in range(DP)) for p in ("caller", "runner"))
             + f" sessions={d['mas/rollout/sessions']:.0f} split={d['mas/rollout/sessions_split']:.0f}")
-        _check_per_role_models_step(d, m["step"], caller_replicas=DP, syncs_at_start=2.0)
+        _check_per_role_models_step(d, m["step"], replicas=DP, syncs_at_start=2.0)
     assert max(m["data"]["policy/caller/actor/grad_norm"] for m in steps) > 0
 
     # Parameters (transformers copies saved with the step-2 checkpoint, gathered from the caller's two shards): the
@@ -174,44 +174,47 @@ def test_per_role_models_of_different_sizes_train_at_two_ranks_route_sync_and_re
     print(f"[per-role-models] caller tensors changed: {len(moved)}/{len(caller_before)}; runner tensors changed: 0/"
           f"{len(runner_before)}")
 
-    # Kill and resume on a three-node Ray cluster (one logical GPU a node): verl's pool over two nodes of one GPU
-    # (trainer.nnodes=2) holds the caller's two ranks, which load the shards the two local ranks wrote; the runner's
-    # pool of one GPU can only go to the third node. A new main_ppo process continues at step 3 from the step-2
+    # Kill and resume on a four-node Ray cluster (one logical GPU a node): verl's pool over two nodes of one GPU
+    # (trainer.nnodes=2) holds the caller's two ranks, the runner's pool over two nodes of one GPU its two; each rank
+    # loads the shard the same rank wrote on the local Ray. A placement group of one GPU a node can only go to a node
+    # of its own: the two policies share no node. A new main_ppo process continues at step 3 from the step-2
     # checkpoint of every policy: greedy validation before the resumed step reproduces the validation after step 2
     # exactly (same weights in every server), and every policy's optimiser continues its count on every rank (Adam's
     # step is 3 in the step-3 checkpoint; a policy restarted from scratch would have 1).
-    with _ray_cluster(nodes=3) as address:
-        resumed = _run(run_dir, recipe_runs.relay_shape, *policies, "trainer.nnodes=2", "trainer.n_gpus_per_node=1",
+    spread = [*policies[:-1], "+mas.policies.runner.resources={nnodes: 2, n_gpus_per_node: 1}"]
+    with _ray_cluster(nodes=4) as address:
+        resumed = _run(run_dir, recipe_runs.relay_shape, *spread, "trainer.nnodes=2", "trainer.n_gpus_per_node=1",
                        "trainer.total_training_steps=3", "trainer.val_before_train=True", "trainer.test_freq=3",
                        f"trainer.validation_data_dir={run_dir / 'val2'}", "trainer.save_freq=3",
                        f"ray_kwargs.ray_init.address={address}")
         placed = _placement(address)
-    # From Ray: the caller's pool (a placement group a node) and its two rollout servers on two nodes, one server on
-    # each; the runner's pool and server on the third node; worker processes on all three.
+    # From Ray: each policy's pool (a placement group a node) and its two rollout servers on two nodes of its own, one
+    # server on each; worker processes on all four.
     nodes = {policy: {n for a in placed if a["policy"] == policy for n in a["nodes"]} for policy in ("caller", "runner")}
     kinds = {policy: sorted({a["kind"] for a in placed if a["policy"] == policy}) for policy in nodes}
-    print("[per-role-models] three Ray nodes: " + "; ".join(f"{a['kind']} {a['name']} ({a['policy']}) on "
+    print("[per-role-models] four Ray nodes: " + "; ".join(f"{a['kind']} {a['name']} ({a['policy']}) on "
                                                            f"{[n[:8] for n in a['nodes']]}" for a in placed))
     assert kinds == {"caller": ["resource pool", "rollout server"], "runner": ["resource pool", "rollout server"]}, placed
-    assert len(nodes["caller"]) == 2 and len(nodes["runner"]) == 1 and not nodes["caller"] & nodes["runner"], placed
-    caller_servers = [a["nodes"][0] for a in placed if a["policy"] == "caller" and a["kind"] == "rollout server"]
-    assert sorted(caller_servers) == sorted(nodes["caller"]), placed
+    assert len(nodes["caller"]) == 2 and len(nodes["runner"]) == 2 and not nodes["caller"] & nodes["runner"], placed
+    for policy in nodes:
+        servers = [a["nodes"][0] for a in placed if a["policy"] == policy and a["kind"] == "rollout server"]
+        assert sorted(servers) == sorted(nodes[policy]), (policy, placed)
     assert set(next(a["nodes"] for a in placed if a["kind"] == "workers")) == nodes["caller"] | nodes["runner"]
     new = resumed  # verl's file logger starts metrics.jsonl afresh in every process
     assert [m["step"] for m in new if "mas/success_rate" in m["data"]] == [3]
     step3 = next(m["data"] for m in new if m["step"] == 3 and "mas/success_rate" in m["data"])
     # A fresh rollout: each replica's initial sync, then the one of the step
-    _check_per_role_models_step(step3, 3, caller_replicas=DP, syncs_at_start=2.0)
+    _check_per_role_models_step(step3, 3, replicas=DP, syncs_at_start=2.0)
     # Sum of the two policies' update times over the phase's wall time: 1.0 or less if they ran one after the other,
     # more if they overlapped (a pool each).
-    for phase, d in (("one node", steps[-1]["data"]), ("three nodes", step3)):
+    for phase, d in (("one node", steps[-1]["data"]), ("four nodes", step3)):
         assert d["mas/policies/update_actor_concurrency"] > 1.0, phase
     print(f"[per-role-models] concurrency of the two policies' updates on pools of their own: one node "
-          f"{steps[-1]['data']['mas/policies/update_actor_concurrency']:.2f}, three nodes "
+          f"{steps[-1]['data']['mas/policies/update_actor_concurrency']:.2f}, four nodes "
           f"{step3['mas/policies/update_actor_concurrency']:.2f}")
     after_step2 = _val_outputs(run_dir / "val1" / "2.jsonl")
     assert _val_outputs(run_dir / "val2" / "2.jsonl") == after_step2
-    for policy, ranks in (("actor", DP), ("actor_runner", 1)):
+    for policy, ranks in (("actor", DP), ("actor_runner", DP)):
         for step, expected in ((2, 2.0), (3, 3.0)):  # one optimiser step per training step (one mini-batch)
             for rank in range(ranks):
                 optim = torch.load(run_dir / "checkpoints" / f"global_step_{step}" / policy
@@ -220,15 +223,14 @@ def test_per_role_models_of_different_sizes_train_at_two_ranks_route_sync_and_re
     print(f"[per-role-models] resume: {len(after_step2)} greedy validation outputs identical before/after the restart")
 
 
-def _check_per_role_models_step(d: dict, step: int, *, caller_replicas: int, syncs_at_start: float) -> None:
+def _check_per_role_models_step(d: dict, step: int, *, replicas: int, syncs_at_start: float) -> None:
     """One step of the per-role-models run (relay-v0, ``mas.alpha=0``): each policy's rollout log-probs are its own
     actor's (requests reached the right model, one policy's sync did not land in the other's servers); every
     replica of a policy takes exactly one sync of that policy a step (``syncs_at_start`` in a run's first step:
-    the initial sync too); the caller's (episode, role) sessions each stay on one of its replicas and spread over
-    all of them; the runner, at zero advantage, gets a zero gradient."""
+    the initial sync too); each policy's (episode, role) sessions each stay on one of its ``replicas`` replicas and
+    spread over all of them; the runner, at zero advantage, gets a zero gradient."""
     for policy in ("caller", "runner"):
         assert d[f"policy/{policy}/training/rollout_probs_diff_mean"] < 1e-6, (policy, step)
-        replicas = caller_replicas if policy == "caller" else 1
         syncs = syncs_at_start if step in (1, 3) else 1.0
         assert d[f"policy/{policy}/rollout/weight_updates"] == replicas * syncs, (policy, step)
         if replicas > 1:
