@@ -7,14 +7,17 @@ candidates per (task, role, turn), commit the best), group-normalised advantages
 PPO-clip policy-gradient update (token-mean) on every trainable candidate. Sampling is plain
 temperature-1 sampling from the same model whose log-probs are trained (on-policy).
 
-Two switches put verl's own parts in place of the hand-written ones, one at a time or both, to tell a
+Three switches put main_ppo's own parts in place of the hand-written ones, one at a time or together, to tell a
 difference of algorithm from a difference of pipeline when ``main_ppo`` and this learner disagree:
 ``--update verl`` runs each update through verl's FSDP2 actor (``ActorRolloutRefWorker(role="actor")`` from
 verl's ``ppo_trainer`` config with the CPU recipe's actor settings: fp32, token-packed micro-batches of 2,048
 tokens, rows shuffled, AdamW, ``compute_log_prob`` then ``update_actor`` on verl's no-padding TensorDicts) in a
 one-rank gloo group of this process, and samples from its gathered weights; ``--sampler engine`` samples with
 verl_mas's hf rollout engine (:class:`verl_mas.backends.hf.engine.HFGenerationEngine`, the hf server's), every
-candidate its own request and the concurrent episodes' requests batched, left-padded, as in a ``main_ppo`` run.
+candidate its own request and the concurrent episodes' requests batched, left-padded, as in a ``main_ppo`` run;
+``--drop-zero-variance`` trains only the groups with signal, in main_ppo's fewer optimiser steps
+(``mas.drop_zero_variance``, :func:`verl_mas.minibatch.dropped_rows_steps`). Measured on ``gridwalk-v0``:
+docs/algorithm.md §4.
 
 Prints, per step, the team success rate of the training episodes (what verl reports as
 ``mas/success_rate``), the mean reward per role and the wall time; every ``--eval-every`` steps, the
@@ -46,9 +49,9 @@ from typing import Any
 import torch
 
 from verl_mas import EpisodeConfig, Sample, get_workflow, run_episode
+from verl_mas.backends.hf.engine import HFGenerationEngine, SamplingSettings
 from verl_mas.data import read_tasks, write_dataset
 from verl_mas.minibatch import dropped_rows_steps
-from verl_mas.backends.hf.engine import HFGenerationEngine, SamplingSettings
 from verl_mas.tiny import CHAT_TEMPLATE, build_model, build_tokenizer
 
 
