@@ -39,16 +39,19 @@ import asyncio
 import importlib
 import os
 import random
-import socket
 import statistics
+import sys
 import tempfile
 import time
 from collections import defaultdict
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from verl_mas import EpisodeConfig, Sample, get_workflow, run_episode
+from verl_mas.advantage.groups import signal_rows
 from verl_mas.backends.hf.engine import HFGenerationEngine, SamplingSettings
 from verl_mas.data import read_tasks, write_dataset
 from verl_mas.minibatch import dropped_rows_steps
@@ -115,16 +118,6 @@ class EngineSampler:
                 for o in outs]
 
 
-def start_one_rank_group() -> None:
-    """The torchrun-style environment of a one-rank gloo group in this process, read when verl is imported
-    (``VERL_PLATFORM=cpu``: verl_mas's CPU platform) and by verl's worker."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    os.environ.update(VERL_PLATFORM="cpu", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-
-
 class VerlUpdate:
     """The PPO update through verl's FSDP2 actor, with the CPU recipe's actor settings (recipes/at_grpo_cpu), on the
     weights of ``model``, which it refreshes from the actor after every update (the samplers read ``model``)."""
@@ -178,11 +171,9 @@ class VerlUpdate:
             raise RuntimeError(f"verl's actor and the sampling model disagree on parameters: missing {missing}, "
                                f"unexpected {unexpected}")
 
-    def _batch(self, candidates: list[Any], **fields: Any) -> tuple[Any, torch.Tensor]:
-        """verl's layout (prompts left-padded, responses right-padded) as its trainer converts it: no padding."""
-        from verl.utils import tensordict_utils as tu
-        from verl.workers.utils.padding import left_right_2_no_padding
-
+    @staticmethod
+    def _padded(candidates: list[Any]) -> dict[str, torch.Tensor]:
+        """verl's padded layout of the rows: prompts left-padded, responses right-padded."""
         rows = len(candidates)
         width_p = max(len(c.prompt_ids) for c in candidates)
         width_r = max(len(c.response_ids) for c in candidates)
@@ -193,24 +184,25 @@ class VerlUpdate:
             prompts[i, width_p - p:], prompt_mask[i, width_p - p:] = torch.tensor(c.prompt_ids), 1
             responses[i, :r], response_mask[i, :r] = torch.tensor(c.response_ids), 1
         attention = torch.cat([prompt_mask, response_mask], dim=1)
-        td = tu.get_tensordict({"prompts": prompts, "responses": responses,
-                                "input_ids": torch.cat([prompts, responses], dim=1), "attention_mask": attention,
-                                "position_ids": (attention.cumsum(1) - 1).clamp(min=0),
-                                "response_mask": response_mask, **fields})
-        return left_right_2_no_padding(td), response_mask
+        return {"prompts": prompts, "responses": responses, "input_ids": torch.cat([prompts, responses], dim=1),
+                "attention_mask": attention, "position_ids": (attention.cumsum(1) - 1).clamp(min=0),
+                "response_mask": response_mask}
 
     def __call__(self, candidates: list[Any], adv: list[float], minibatches: int) -> tuple[float, float, float]:
         from verl.utils import tensordict_utils as tu
-        from verl.workers.utils.padding import no_padding_2_padding
+        from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_padding
 
         # Whole mini-batches, as the mas trainer pads: copies at advantage 0 (a singleton group's).
         extra = -len(candidates) % minibatches
         candidates, adv = candidates + candidates[:extra], list(adv) + [0.0] * extra
-        td, response_mask = self._batch(candidates)
+        padded = self._padded(candidates)
+        response_mask = padded["response_mask"]
+        # as verl's trainer: the padded batch converted to no padding for each call, old log-probs first
+        td = left_right_2_no_padding(tu.get_tensordict(dict(padded)))
         tu.assign_non_tensor(td, calculate_entropy=True, compute_loss=False, temperature=1.0)
         old = no_padding_2_padding(tu.get(self.worker.compute_log_prob(td), "log_probs"), td).float() * response_mask
         advantages = torch.tensor(adv, dtype=torch.float32)[:, None] * response_mask
-        td, _ = self._batch(candidates, old_log_probs=old, advantages=advantages)
+        td = left_right_2_no_padding(tu.get_tensordict({**padded, "old_log_probs": old, "advantages": advantages}))
         size = len(candidates) // minibatches
         # the keys verl's trainer attaches before update_actor (PPOTrainer._update_actor)
         tu.assign_non_tensor(td, calculate_entropy=True, distillation_use_topk=False, distillation_only=False,
@@ -322,8 +314,11 @@ def main() -> None:
     parser.add_argument("--chat", choices=("compact", "chatml"), default="compact",
                         help="the tailored tokenizer's chat layout: its compact default or ChatML (10-token prompts)")
     args = parser.parse_args()
-    if args.update == "verl":
-        start_one_rank_group()
+    if args.update == "verl":  # a one-rank gloo group in this process, set before verl is imported
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the tests' scenario helpers
+        from _fsdp_helpers import one_rank_env
+
+        os.environ.update(one_rank_env())
     torch.set_num_threads(args.threads)
     random.seed(args.seed)
 
@@ -376,10 +371,9 @@ def main() -> None:
         adv = advantages(cands)
         trained, trained_adv, minibatches = cands, adv, args.minibatches
         if args.drop_zero_variance:
-            rewards: dict[str, set[float]] = defaultdict(set)
-            for c in cands:
-                rewards[c.group_key].add(c.reward)
-            kept = [i for i, c in enumerate(cands) if len(rewards[c.group_key]) > 1]
+            # the trainer's rule (verl_mas.trainer.rows_to_drop): the rows whose group-normalised advantage can be non-zero
+            _, ids = np.unique([c.group_key for c in cands], return_inverse=True)
+            kept = np.flatnonzero(signal_rows(ids, np.array([c.reward for c in cands]))).tolist()
             trained, trained_adv = [cands[i] for i in kept], [adv[i] for i in kept]
             if kept and not args.drop_keeps_steps:
                 minibatches = dropped_rows_steps(args.minibatches, len(kept), len(cands))

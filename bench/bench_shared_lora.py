@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -35,16 +34,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
+sys.path.insert(0, str(REPO / "tests"))  # the tests' scenario helpers: verl's actor config and batch
+from _fsdp_helpers import one_rank_env  # noqa: E402  (defines functions only)
 
 # One rank, torchrun-style, verl on the CPU platform (set before verl is imported).
-os.environ.update(VERL_PLATFORM="cpu", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-                  MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), TOKENIZERS_PARALLELISM="false")
-sys.path.insert(0, str(REPO / "tests"))  # the tests' scenario helpers: verl's actor config and batch
+os.environ.update(**one_rank_env(), TOKENIZERS_PARALLELISM="false")
 
 ADVANTAGES = (1.0, 1.0, -1.0, -1.0)
 

@@ -80,18 +80,19 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def one_rank_env() -> dict[str, str]:
+    """The environment of a one-rank torchrun-style gloo group on verl_mas's CPU platform, read when verl is imported
+    and by verl's worker (``VERL_PLATFORM=cpu``, ``RANK``/``WORLD_SIZE``/``MASTER_*`` on a free local port)."""
+    return dict(VERL_PLATFORM="cpu", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+
+
 def run_scenario(helper: Path, workdir: Path, timeout_s: float = 900.0) -> dict[str, Any]:
     """Run a scenario script (this one, or one built on it) in a child interpreter with ``VERL_PLATFORM=cpu``
     and a one-rank torchrun-style environment (cwd ``workdir``); return the JSON it wrote."""
     env = dict(os.environ)
     env.update(
-        VERL_PLATFORM="cpu",
-        RANK="0",
-        WORLD_SIZE="1",
-        LOCAL_RANK="0",
-        LOCAL_WORLD_SIZE="1",
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(_free_port()),
+        **one_rank_env(),
         HF_HUB_OFFLINE="1",
         TRANSFORMERS_OFFLINE="1",
         TOKENIZERS_PARALLELISM="false",
