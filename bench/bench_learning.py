@@ -28,11 +28,18 @@ Prints one line per run, then per configuration the mean +- std over seeds, and 
 difference per seed, its mean, and whether the first configuration is above the second by more than the spread
 across seeds (the larger of the two std).
 
+Every finished run is appended to ``bench/results/bench_learning.jsonl`` (``--results``) with its figures, wall time,
+commit and date; a run recorded there for the same workflow, configuration, seed, steps and K is not run again
+(``--rerun`` does), and the summary covers every recorded run, so the benchmark (hours on 2 cores) fills its table
+over several invocations. ``--summary`` prints the summary alone. The per-role runs of ``alone`` are recorded as
+``scout alone`` / ``walker alone``: their own validation, i.e. that role trained beside a frozen partner.
+
 Usage::
 
     python bench/bench_learning.py                           # relay-v0: at_grpo traj_grpo parallel, 40 steps, 3 seeds
     python bench/bench_learning.py --workflow gridwalk-v0     # every comparison, 100 steps, 3 seeds
     python bench/bench_learning.py --workflow gridwalk-v0 --configs at_grpo parallel --seeds 0 --steps 50
+    python bench/bench_learning.py --workflow gridwalk-v0 --summary   # the recorded runs' summary, nothing run
 
 Measured figures: ``recipes/at_grpo_cpu/README.md`` (relay-v0), ``docs/algorithm.md`` (gridwalk-v0).
 """
@@ -48,6 +55,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from verl_mas.config import ablation
 from verl_mas.report import held_out, load_metrics
@@ -181,6 +189,77 @@ def _mean_std(values: list[float]) -> tuple[float, float]:
     return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
 
 
+#: Where finished runs are kept (one JSON line each), so that the benchmark, hours long on 2 cores, fills its table
+#: across several invocations: a run already recorded for the same (workflow, configuration, seed, steps, K) is not
+#: run again, and the summary is computed from every recorded run.
+RESULTS = REPO / "bench" / "results" / "bench_learning.jsonl"
+#: What a configuration writes to the results file: its own record, and for ``together``/``alone`` the evaluations
+#: made from its checkpoints (the last name decides whether the configuration still has to run).
+RECORDS = {"together": ("together", "swapped"), "alone": ("scout alone", "walker alone", "alone")}
+
+
+def _commit() -> str:
+    """The checkout's commit, ``+dirty`` when tracked files differ from it."""
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
+    dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "verl_mas", "recipes", "bench"], cwd=REPO)
+    return (head.stdout.strip() or "unknown") + ("+dirty" if dirty.returncode else "")
+
+
+def read_results(path: Path, workflow: str, steps: int, k: int) -> dict[str, dict[int, dict[str, float]]]:
+    """``{record name: {seed: figures}}`` of the runs recorded in ``path`` for ``workflow`` at ``steps`` and ``k``; a
+    seed recorded twice keeps its last record."""
+    out: dict[str, dict[int, dict[str, float]]] = {}
+    if not path.exists():
+        return out
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+            key = (rec["workflow"], int(rec["steps"]), int(rec["k"]))
+            name, seed, figures = rec["config"], int(rec["seed"]), dict(rec["figures"])
+        except (ValueError, KeyError, TypeError) as exc:
+            raise SystemExit(f"{path}:{number} is not a bench_learning record ({exc!r}): fix or remove that line") from exc
+        if key == (workflow, steps, k):
+            out.setdefault(name, {})[seed] = figures
+    return out
+
+
+def comparisons(results: dict[str, dict[int, dict[str, float]]]) -> list[dict[str, Any]]:
+    """The paper's comparisons (:data:`COMPARISONS`) over the seeds both configurations have, per held-out column:
+    the paired differences, their mean, the spread across seeds (the larger std of the two) and whether the first
+    is above the second on every seed by a mean larger than that spread."""
+    out = []
+    for first, second in COMPARISONS:
+        seeds = sorted(set(results.get(first, {})) & set(results.get(second, {})))
+        if not seeds:
+            continue
+        for column in ("greedy@end", "sampled@end"):
+            a = [results[first][s][column] for s in seeds]
+            b = [results[second][s][column] for s in seeds]
+            diffs = [x - y for x, y in zip(a, b, strict=True)]
+            spread = max(_mean_std(a)[1], _mean_std(b)[1])
+            mean = statistics.fmean(diffs)
+            out.append({"first": first, "second": second, "column": column, "seeds": seeds, "diffs": diffs,
+                        "mean": mean, "spread": spread, "above": len(seeds) > 1 and mean > spread and min(diffs) > 0})
+    return out
+
+
+def summary(results: dict[str, dict[int, dict[str, float]]]) -> str:
+    lines = ["held-out success after training, mean +- std over the recorded seeds:"]
+    for name, by_seed in results.items():
+        parts = [f"{c} {m:.3f} +- {s:.3f}" for c in ("greedy@end", "sampled@end")
+                 for m, s in [_mean_std([f[c] for f in by_seed.values()])]]
+        lines.append(f"{name:>14} (seeds {sorted(by_seed)}): " + ", ".join(parts))
+    for c in comparisons(results):
+        verdict = "yes" if c["above"] else ("no" if len(c["seeds"]) > 1 else "one seed: no verdict")
+        lines.append(f"{c['first']} - {c['second']} ({c['column']}): per seed (seeds {c['seeds']}) "
+                     + " ".join(f"{d:+.3f}" for d in c["diffs"])
+                     + f"; mean {c['mean']:+.3f}; spread across seeds {c['spread']:.3f}; above by more than the "
+                     f"spread: {verdict}")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workflow", default="relay-v0", choices=list(WORKFLOWS))
@@ -189,13 +268,23 @@ def main() -> None:
     parser.add_argument("--configs", nargs="+", default=None, choices=[*ABLATION_CONFIGS, *TEAM_CONFIGS],
                         help="default: the workflow's")
     parser.add_argument("--k", type=int, default=None, help="samples per task and node (default: the workflow's, 8)")
+    parser.add_argument("--results", type=Path, default=RESULTS,
+                        help="JSON lines of finished runs: appended to, skipped when recorded, summarised (default: "
+                             "bench/results/bench_learning.jsonl)")
+    parser.add_argument("--rerun", action="store_true", help="run configurations already recorded again")
+    parser.add_argument("--summary", action="store_true", help="only print the summary of the recorded runs")
     args = parser.parse_args()
     spec = WORKFLOWS[args.workflow]
     steps, k, configs = args.steps or spec["steps"], args.k or spec["k"], args.configs or list(spec["configs"])
+    recorded = read_results(args.results, args.workflow, steps, k)
+    if args.summary:
+        print(f"{args.workflow}, {steps} steps, K={k}, from {args.results}")
+        print(summary(recorded))
+        return
 
     work = Path(tempfile.mkdtemp(prefix="verl_mas_bench_learning_"))
     print(f"{args.workflow}, {spec['recipe'].parent.name} recipe, {steps} steps, K={k}, seeds {args.seeds}; "
-          f"runs in {work}", flush=True)
+          f"runs in {work}; results in {args.results}", flush=True)
     if args.workflow == "gridwalk-v0":
         from verl_mas.data import draw_splits
         from verl_mas.workflows.gridwalk import prompt_overlap
@@ -206,34 +295,28 @@ def main() -> None:
               f"{shared}", flush=True)
     columns = ("greedy@0", "greedy@end", "sampled@0", "sampled@end", "train end", "step s")
     print(f"{'config':>14} | {'seed':>4} | " + " | ".join(f"{c:>11}" for c in columns) + " |   wall", flush=True)
+    commit = _commit()
+    args.results.parent.mkdir(parents=True, exist_ok=True)
 
     def report(name: str, seed: int, figures: dict[str, float], wall: float) -> None:
         cells = " | ".join(f"{figures[c]:>11.3f}" if c in figures else f"{'-':>11}" for c in columns)
         print(f"{name:>14} | {seed:>4} | {cells} | {wall:>5.0f}s", flush=True)
+        record = {"workflow": args.workflow, "config": name, "seed": seed, "steps": steps, "k": k,
+                  "figures": figures, "wall_s": round(wall, 1), "commit": commit,
+                  "date": time.strftime("%Y-%m-%d", time.gmtime())}
+        with args.results.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        recorded.setdefault(name, {})[seed] = figures
 
-    results: dict[str, dict[int, dict[str, float]]] = {}
     for seed in args.seeds:
-        for name, figures in run_seed(args.workflow, configs, seed, steps, k, work, report).items():
-            results.setdefault(name, {})[seed] = figures
-    print("\nheld-out success after training, mean +- std over seeds:")
-    for name, by_seed in results.items():
-        parts = [f"{c} {m:.3f} +- {s:.3f}" for c in ("greedy@end", "sampled@end")
-                 for m, s in [_mean_std([f[c] for f in by_seed.values()])]]
-        print(f"{name:>14} ({len(by_seed)} seeds): " + ", ".join(parts))
-    for first, second in COMPARISONS:
-        if first not in results or second not in results:
-            continue
-        seeds = sorted(set(results[first]) & set(results[second]))
-        for column in ("greedy@end", "sampled@end"):
-            diffs = [results[first][s][column] - results[second][s][column] for s in seeds]
-            spread = max(_mean_std([results[first][s][column] for s in seeds])[1],
-                         _mean_std([results[second][s][column] for s in seeds])[1])
-            mean = statistics.fmean(diffs)
-            verdict = "yes" if mean > spread and min(diffs) > 0 else "no"
-            print(f"{first} - {second} ({column}): per seed " + " ".join(f"{d:+.3f}" for d in diffs)
-                  + f"; mean {mean:+.3f}; spread across seeds {spread:.3f}; above by more than the spread: {verdict}")
-    (work / "results.json").write_text(json.dumps(results, indent=1))
-    print(f"results: {work / 'results.json'}")
+        todo = [c for c in configs if args.rerun or seed not in recorded.get(RECORDS.get(c, (c,))[-1], {})]
+        for c in configs:
+            if c not in todo:
+                print(f"{c:>14} | {seed:>4} | recorded in {args.results.name}", flush=True)
+        if todo:
+            run_seed(args.workflow, todo, seed, steps, k, work, report)
+    print()
+    print(summary(recorded))
 
 
 if __name__ == "__main__":
