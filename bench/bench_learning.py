@@ -39,7 +39,7 @@ Usage::
     python bench/bench_learning.py                           # relay-v0: at_grpo traj_grpo parallel, 40 steps, 3 seeds
     python bench/bench_learning.py --workflow gridwalk-v0     # every comparison, 100 steps, 3 seeds
     python bench/bench_learning.py --workflow gridwalk-v0 --configs at_grpo parallel --seeds 0 --steps 50
-    python bench/bench_learning.py --workflow gridwalk-v0 --summary   # the recorded runs' summary, nothing run
+    python bench/bench_learning.py --workflow gridwalk-v0 --summary [--markdown]   # the recorded runs, nothing run
 
 Measured figures: ``recipes/at_grpo_cpu/README.md`` (relay-v0), ``docs/algorithm.md`` (gridwalk-v0).
 """
@@ -193,6 +193,8 @@ def _mean_std(values: list[float]) -> tuple[float, float]:
 #: across several invocations: a run already recorded for the same (workflow, configuration, seed, steps, K) is not
 #: run again, and the summary is computed from every recorded run.
 RESULTS = REPO / "bench" / "results" / "bench_learning.jsonl"
+#: Seeds a comparison needs before it says whether one configuration is above the other (the issue's: >= 3).
+MIN_SEEDS = 3
 #: What a configuration writes to the results file: its own record, and for ``together``/``alone`` the evaluations
 #: made from its checkpoints (the last name decides whether the configuration still has to run).
 RECORDS = {"together": ("together", "swapped"), "alone": ("scout alone", "walker alone", "alone")}
@@ -228,7 +230,7 @@ def read_results(path: Path, workflow: str, steps: int, k: int) -> dict[str, dic
 def comparisons(results: dict[str, dict[int, dict[str, float]]]) -> list[dict[str, Any]]:
     """The paper's comparisons (:data:`COMPARISONS`) over the seeds both configurations have, per held-out column:
     the paired differences, their mean, the spread across seeds (the larger std of the two) and whether the first
-    is above the second on every seed by a mean larger than that spread."""
+    is above the second on every seed by a mean larger than that spread (a verdict needs :data:`MIN_SEEDS` seeds)."""
     out = []
     for first, second in COMPARISONS:
         seeds = sorted(set(results.get(first, {})) & set(results.get(second, {})))
@@ -241,7 +243,8 @@ def comparisons(results: dict[str, dict[int, dict[str, float]]]) -> list[dict[st
             spread = max(_mean_std(a)[1], _mean_std(b)[1])
             mean = statistics.fmean(diffs)
             out.append({"first": first, "second": second, "column": column, "seeds": seeds, "diffs": diffs,
-                        "mean": mean, "spread": spread, "above": len(seeds) > 1 and mean > spread and min(diffs) > 0})
+                        "mean": mean, "spread": spread,
+                        "above": len(seeds) >= MIN_SEEDS and mean > spread and min(diffs) > 0})
     return out
 
 
@@ -252,11 +255,34 @@ def summary(results: dict[str, dict[int, dict[str, float]]]) -> str:
                  for m, s in [_mean_std([f[c] for f in by_seed.values()])]]
         lines.append(f"{name:>14} (seeds {sorted(by_seed)}): " + ", ".join(parts))
     for c in comparisons(results):
-        verdict = "yes" if c["above"] else ("no" if len(c["seeds"]) > 1 else "one seed: no verdict")
+        verdict = "yes" if c["above"] else ("no" if len(c["seeds"]) >= MIN_SEEDS else "too few seeds for a verdict")
         lines.append(f"{c['first']} - {c['second']} ({c['column']}): per seed (seeds {c['seeds']}) "
                      + " ".join(f"{d:+.3f}" for d in c["diffs"])
                      + f"; mean {c['mean']:+.3f}; spread across seeds {c['spread']:.3f}; above by more than the "
                      f"spread: {verdict}")
+    return "\n".join(lines)
+
+
+def markdown(results: dict[str, dict[int, dict[str, float]]]) -> str:
+    """The recorded runs as two Markdown tables (per configuration; per comparison), for docs/algorithm.md."""
+    def cell(values: list[float]) -> str:
+        mean, std = _mean_std(values)
+        return f"{mean:.2f} +- {std:.2f} ({', '.join(f'{v:.2f}' for v in values)})"
+
+    lines = ["| configuration | seeds | held-out greedy after | held-out sampled after | training success, last 5 steps |",
+             "|---|---|---|---|---|"]
+    for name, by_seed in results.items():
+        seeds = sorted(by_seed)
+        train = [by_seed[s]["train end"] for s in seeds if "train end" in by_seed[s]]
+        lines.append(f"| {name} | {', '.join(map(str, seeds))} | {cell([by_seed[s]['greedy@end'] for s in seeds])} | "
+                     f"{cell([by_seed[s]['sampled@end'] for s in seeds])} | {cell(train) if train else '-'} |")
+    lines += ["", "| comparison | held-out | per seed | mean | spread | above by more than the spread |",
+              "|---|---|---|---|---|---|"]
+    for c in comparisons(results):
+        verdict = "yes" if c["above"] else ("no" if len(c["seeds"]) >= MIN_SEEDS else f"{len(c['seeds'])} seed(s): none yet")
+        lines.append(f"| {c['first']} - {c['second']} | {c['column'].split('@')[0]} | "
+                     + ", ".join(f"{d:+.2f}" for d in c["diffs"])
+                     + f" | {c['mean']:+.2f} | {c['spread']:.2f} | {verdict} |")
     return "\n".join(lines)
 
 
@@ -273,13 +299,14 @@ def main() -> None:
                              "bench/results/bench_learning.jsonl)")
     parser.add_argument("--rerun", action="store_true", help="run configurations already recorded again")
     parser.add_argument("--summary", action="store_true", help="only print the summary of the recorded runs")
+    parser.add_argument("--markdown", action="store_true", help="with --summary: as Markdown tables")
     args = parser.parse_args()
     spec = WORKFLOWS[args.workflow]
     steps, k, configs = args.steps or spec["steps"], args.k or spec["k"], args.configs or list(spec["configs"])
     recorded = read_results(args.results, args.workflow, steps, k)
     if args.summary:
         print(f"{args.workflow}, {steps} steps, K={k}, from {args.results}")
-        print(summary(recorded))
+        print(markdown(recorded) if args.markdown else summary(recorded))
         return
 
     work = Path(tempfile.mkdtemp(prefix="verl_mas_bench_learning_"))
