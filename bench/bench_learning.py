@@ -29,7 +29,8 @@ difference per seed, its mean, and whether the first configuration is above the 
 across seeds (the larger of the two std).
 
 Every finished run is appended to ``bench/results/bench_learning.jsonl`` (``--results``) with its figures, wall time,
-commit and date; a run recorded there for the same workflow, configuration, seed, steps and K is not run again
+commit, date and a fingerprint of the recipe settings (:func:`settings_fingerprint`); a run recorded there for the
+same workflow, configuration, seed, steps, K and settings is not run again
 (``--rerun`` does), and the summary covers every recorded run, so the benchmark (hours on 2 cores) fills its table
 over several invocations. ``--summary`` prints the summary alone. The per-role runs of ``alone`` are recorded as
 ``scout alone`` / ``walker alone``: their own validation, i.e. that role trained beside a frozen partner.
@@ -47,6 +48,7 @@ Measured figures: ``recipes/at_grpo_cpu/README.md`` (relay-v0), ``docs/algorithm
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import statistics
@@ -207,24 +209,44 @@ def _commit() -> str:
     return (head.stdout.strip() or "unknown") + ("+dirty" if dirty.returncode else "")
 
 
-def read_results(path: Path, workflow: str, steps: int, k: int) -> dict[str, dict[int, dict[str, float]]]:
-    """``{record name: {seed: figures}}`` of the runs recorded in ``path`` for ``workflow`` at ``steps`` and ``k``; a
-    seed recorded twice keeps its last record."""
+def settings_fingerprint(recipe: Path) -> str:
+    """A hash of what a run's settings come from: every file but the READMEs of the workflow's recipe folder, of the
+    CPU recipe it wraps (``recipes/at_grpo_cpu``), ``recipes/cpu_common.sh`` and verl_mas's config groups
+    (``verl_mas/conf``). Runs of other settings (a changed learning rate, ...) are another series: never skipped
+    for, nor summarised with, these. Code changes are not in it; each record names its commit for those."""
+    files = {recipe.parent, REPO / "recipes" / "at_grpo_cpu", REPO / "verl_mas" / "conf"}
+    paths = sorted({f for folder in files for f in folder.rglob("*") if f.is_file() and f.suffix != ".md" and "__pycache__" not in f.parts}
+                   | {REPO / "recipes" / "cpu_common.sh"})
+    digest = hashlib.sha256()
+    for f in paths:
+        digest.update(str(f.relative_to(REPO)).encode() + b"\0" + f.read_bytes() + b"\0")
+    return digest.hexdigest()[:12]
+
+
+def read_results(path: Path, workflow: str, steps: int, k: int,
+                 settings: str) -> tuple[dict[str, dict[int, dict[str, float]]], int]:
+    """``{record name: {seed: figures}}`` of the runs recorded in ``path`` for ``workflow`` at ``steps`` and ``k`` with
+    the settings fingerprint ``settings`` (a seed recorded twice keeps its last record), and how many records of
+    the same workflow, steps and K were left out for other settings."""
     out: dict[str, dict[int, dict[str, float]]] = {}
+    other = 0
     if not path.exists():
-        return out
+        return out, other
     for number, line in enumerate(path.read_text().splitlines(), start=1):
         if not line.strip():
             continue
         try:
             rec = json.loads(line)
             key = (rec["workflow"], int(rec["steps"]), int(rec["k"]))
-            name, seed, figures = rec["config"], int(rec["seed"]), dict(rec["figures"])
+            name, seed, figures, recorded = rec["config"], int(rec["seed"]), dict(rec["figures"]), rec["settings"]
         except (ValueError, KeyError, TypeError) as exc:
             raise SystemExit(f"{path}:{number} is not a bench_learning record ({exc!r}): fix or remove that line") from exc
         if key == (workflow, steps, k):
-            out.setdefault(name, {})[seed] = figures
-    return out
+            if recorded == settings:
+                out.setdefault(name, {})[seed] = figures
+            else:
+                other += 1
+    return out, other
 
 
 def comparisons(results: dict[str, dict[int, dict[str, float]]]) -> list[dict[str, Any]]:
@@ -303,15 +325,18 @@ def main() -> None:
     args = parser.parse_args()
     spec = WORKFLOWS[args.workflow]
     steps, k, configs = args.steps or spec["steps"], args.k or spec["k"], args.configs or list(spec["configs"])
-    recorded = read_results(args.results, args.workflow, steps, k)
+    settings = settings_fingerprint(spec["recipe"])
+    recorded, other = read_results(args.results, args.workflow, steps, k, settings)
+    series = (f"{args.workflow}, {steps} steps, K={k}, recipe settings {settings}; {args.results.name} has "
+              f"{sum(map(len, recorded.values()))} records of these" + (f" and {other} of other settings (left out)"
+                                                                       if other else ""))
     if args.summary:
-        print(f"{args.workflow}, {steps} steps, K={k}, from {args.results}")
+        print(series)
         print(markdown(recorded) if args.markdown else summary(recorded))
         return
 
     work = Path(tempfile.mkdtemp(prefix="verl_mas_bench_learning_"))
-    print(f"{args.workflow}, {spec['recipe'].parent.name} recipe, {steps} steps, K={k}, seeds {args.seeds}; "
-          f"runs in {work}; results in {args.results}", flush=True)
+    print(f"{series}. Seeds {args.seeds}, runs in {work}", flush=True)
     if args.workflow == "gridwalk-v0":
         from verl_mas.data import draw_splits
         from verl_mas.workflows.gridwalk import prompt_overlap
@@ -329,7 +354,7 @@ def main() -> None:
         cells = " | ".join(f"{figures[c]:>11.3f}" if c in figures else f"{'-':>11}" for c in columns)
         print(f"{name:>14} | {seed:>4} | {cells} | {wall:>5.0f}s", flush=True)
         record = {"workflow": args.workflow, "config": name, "seed": seed, "steps": steps, "k": k,
-                  "figures": figures, "wall_s": round(wall, 1), "commit": commit,
+                  "settings": settings, "figures": figures, "wall_s": round(wall, 1), "commit": commit,
                   "date": time.strftime("%Y-%m-%d", time.gmtime())}
         with args.results.open("a") as f:
             f.write(json.dumps(record) + "\n")
