@@ -139,31 +139,28 @@ def _hf(run_dir: Path, steps: int, position: int, role: str) -> Path:
 
 
 def run_seed(workflow: str, configs: list[str], seed: int, steps: int, k: int, work: Path,
-             report) -> dict[str, dict[str, float]]:
+             report) -> None:
+    """Run ``configs`` for ``seed``; every figure goes to ``report(name, seed, figures, wall_s)``."""
     spec = WORKFLOWS[workflow]
     recipe, roles = spec["recipe"], spec["roles"]
     base = [f"trainer.total_training_steps={steps}", f"trainer.test_freq={steps}"]
     save = ["mas_policies=per_role_models", f"trainer.save_freq={steps}",
             "actor_rollout_ref.actor.checkpoint.save_contents=[model,optimizer,extra,hf_model]"]
-    out: dict[str, dict[str, float]] = {}
     for name in configs:
         if name in ABLATION_CONFIGS:
             ablation_name, extra = ABLATION_CONFIGS[name]
             rows, wall = _run(recipe, work / f"{name}-seed{seed}", seed, [*base, *ablation(ablation_name, k), *extra,
                               f"trainer.experiment_name={name}-seed{seed}"], WORKFLOW=workflow)
-            out[name] = validation(rows)
-            report(name, seed, out[name], wall)
+            report(name, seed, validation(rows), wall)
         elif name == "together":
             run_dir = work / f"together-seed{seed}"
             rows, wall = _run(recipe, run_dir, seed, [*base, *ablation("at_grpo", k), *save,
                               f"trainer.experiment_name=together-seed{seed}"], WORKFLOW=workflow)
             models = {role: _hf(run_dir, steps, i, role) for i, role in enumerate(roles)}
             test = run_dir / "data" / "test.parquet"
-            out["together"] = {**validation(rows), **evaluate(test, models, spec, work)}
-            report("together", seed, out["together"], wall)
+            report("together", seed, {**validation(rows), **evaluate(test, models, spec, work)}, wall)
             swapped = dict(zip(roles, reversed(list(models.values())), strict=True))
-            out["swapped"] = evaluate(test, swapped, spec, work)
-            report("swapped", seed, out["swapped"], 0.0)
+            report("swapped", seed, evaluate(test, swapped, spec, work), 0.0)
         elif name == "alone":
             models, wall = {}, 0.0
             for i, role in enumerate(roles):
@@ -174,17 +171,15 @@ def run_seed(workflow: str, configs: list[str], seed: int, steps: int, k: int, w
                 wall += w
                 models[role] = _hf(run_dir, steps, i, role)
                 report(f"{role} alone", seed, validation(rows), w)
-            out["alone"] = evaluate(work / f"alone-{roles[0]}-seed{seed}" / "data" / "test.parquet", models, spec, work)
-            report("alone", seed, out["alone"], wall)
+            test = work / f"alone-{roles[0]}-seed{seed}" / "data" / "test.parquet"
+            report("alone", seed, evaluate(test, models, spec, work), wall)
         elif name == "single":
             if not spec["single"]:
                 raise SystemExit(f"{workflow} has no single-agent variant")
             # GRPO on one agent: 2K independent episodes per task (the team samples K per role and turn).
             rows, wall = _run(recipe, work / f"single-seed{seed}", seed, [*base, *ablation("trajectory_grpo", 2 * k),
                               f"trainer.experiment_name=single-seed{seed}"], WORKFLOW=spec["single"])
-            out["single"] = validation(rows)
-            report("single", seed, out["single"], wall)
-    return out
+            report("single", seed, validation(rows), wall)
 
 
 def _mean_std(values: list[float]) -> tuple[float, float]:
@@ -192,8 +187,8 @@ def _mean_std(values: list[float]) -> tuple[float, float]:
 
 
 #: Where finished runs are kept (one JSON line each), so that the benchmark, hours long on 2 cores, fills its table
-#: across several invocations: a run already recorded for the same (workflow, configuration, seed, steps, K) is not
-#: run again, and the summary is computed from every recorded run.
+#: across several invocations: a run already recorded for the same (workflow, configuration, seed, steps, K, recipe
+#: settings) is not run again, and the summary is computed from every recorded run of those settings.
 RESULTS = REPO / "bench" / "results" / "bench_learning.jsonl"
 #: Seeds a comparison needs before it says whether one configuration is above the other (the issue's: >= 3).
 MIN_SEEDS = 3
@@ -215,7 +210,8 @@ def settings_fingerprint(recipe: Path) -> str:
     (``verl_mas/conf``). Runs of other settings (a changed learning rate, ...) are another series: never skipped
     for, nor summarised with, these. Code changes are not in it; each record names its commit for those."""
     files = {recipe.parent, REPO / "recipes" / "at_grpo_cpu", REPO / "verl_mas" / "conf"}
-    paths = sorted({f for folder in files for f in folder.rglob("*") if f.is_file() and f.suffix != ".md" and "__pycache__" not in f.parts}
+    paths = sorted({f for folder in files for f in folder.rglob("*")
+                    if f.is_file() and f.suffix != ".md" and "__pycache__" not in f.parts}
                    | {REPO / "recipes" / "cpu_common.sh"})
     digest = hashlib.sha256()
     for f in paths:
@@ -240,7 +236,8 @@ def read_results(path: Path, workflow: str, steps: int, k: int,
             key = (rec["workflow"], int(rec["steps"]), int(rec["k"]))
             name, seed, figures, recorded = rec["config"], int(rec["seed"]), dict(rec["figures"]), rec["settings"]
         except (ValueError, KeyError, TypeError) as exc:
-            raise SystemExit(f"{path}:{number} is not a bench_learning record ({exc!r}): fix or remove that line") from exc
+            raise SystemExit(f"{path}:{number} is not a bench_learning record ({exc!r}): fix or remove that "
+                             "line") from exc
         if key == (workflow, steps, k):
             if recorded == settings:
                 out.setdefault(name, {})[seed] = figures
@@ -252,7 +249,8 @@ def read_results(path: Path, workflow: str, steps: int, k: int,
 def comparisons(results: dict[str, dict[int, dict[str, float]]]) -> list[dict[str, Any]]:
     """The paper's comparisons (:data:`COMPARISONS`) over the seeds both configurations have, per held-out column:
     the paired differences, their mean, the spread across seeds (the larger std of the two) and whether the first
-    is above the second on every seed by a mean larger than that spread (a verdict needs :data:`MIN_SEEDS` seeds)."""
+    is above the second on every seed by a mean larger than that spread (``verdict``: yes/no from :data:`MIN_SEEDS`
+    seeds on)."""
     out = []
     for first, second in COMPARISONS:
         seeds = sorted(set(results.get(first, {})) & set(results.get(second, {})))
@@ -266,7 +264,8 @@ def comparisons(results: dict[str, dict[int, dict[str, float]]]) -> list[dict[st
             mean = statistics.fmean(diffs)
             out.append({"first": first, "second": second, "column": column, "seeds": seeds, "diffs": diffs,
                         "mean": mean, "spread": spread,
-                        "above": len(seeds) >= MIN_SEEDS and mean > spread and min(diffs) > 0})
+                        "verdict": ("yes" if mean > spread and min(diffs) > 0 else "no") if len(seeds) >= MIN_SEEDS
+                        else f"{len(seeds)} seed(s): too few for a verdict"})
     return out
 
 
@@ -277,11 +276,10 @@ def summary(results: dict[str, dict[int, dict[str, float]]]) -> str:
                  for m, s in [_mean_std([f[c] for f in by_seed.values()])]]
         lines.append(f"{name:>14} (seeds {sorted(by_seed)}): " + ", ".join(parts))
     for c in comparisons(results):
-        verdict = "yes" if c["above"] else ("no" if len(c["seeds"]) >= MIN_SEEDS else "too few seeds for a verdict")
         lines.append(f"{c['first']} - {c['second']} ({c['column']}): per seed (seeds {c['seeds']}) "
                      + " ".join(f"{d:+.3f}" for d in c["diffs"])
                      + f"; mean {c['mean']:+.3f}; spread across seeds {c['spread']:.3f}; above by more than the "
-                     f"spread: {verdict}")
+                     f"spread: {c['verdict']}")
     return "\n".join(lines)
 
 
@@ -291,7 +289,8 @@ def markdown(results: dict[str, dict[int, dict[str, float]]]) -> str:
         mean, std = _mean_std(values)
         return f"{mean:.2f} +- {std:.2f} ({', '.join(f'{v:.2f}' for v in values)})"
 
-    lines = ["| configuration | seeds | held-out greedy after | held-out sampled after | training success, last 5 steps |",
+    lines = ["| configuration | seeds | held-out greedy after | held-out sampled after "
+             "| training success, last 5 steps |",
              "|---|---|---|---|---|"]
     for name, by_seed in results.items():
         seeds = sorted(by_seed)
@@ -301,10 +300,9 @@ def markdown(results: dict[str, dict[int, dict[str, float]]]) -> str:
     lines += ["", "| comparison | held-out | per seed | mean | spread | above by more than the spread |",
               "|---|---|---|---|---|---|"]
     for c in comparisons(results):
-        verdict = "yes" if c["above"] else ("no" if len(c["seeds"]) >= MIN_SEEDS else f"{len(c['seeds'])} seed(s): none yet")
         lines.append(f"| {c['first']} - {c['second']} | {c['column'].split('@')[0]} | "
                      + ", ".join(f"{d:+.2f}" for d in c["diffs"])
-                     + f" | {c['mean']:+.2f} | {c['spread']:.2f} | {verdict} |")
+                     + f" | {c['mean']:+.2f} | {c['spread']:.2f} | {c['verdict']} |")
     return "\n".join(lines)
 
 
