@@ -122,7 +122,8 @@ class VerlUpdate:
     """The PPO update through verl's FSDP2 actor, with the CPU recipe's actor settings (recipes/at_grpo_cpu), on the
     weights of ``model``, which it refreshes from the actor after every update (the samplers read ``model``)."""
 
-    def __init__(self, model: Any, tokenizer: Any, *, lr: float, weight_decay: float, clip_grad: float) -> None:
+    def __init__(self, model: Any, tokenizer: Any, *, lr: float, weight_decay: float, clip_grad: float,
+                 entropy_coeff: float = 0.0) -> None:
         importlib.import_module("verl")  # with VERL_PLATFORM=cpu: verl_mas's cpu platform
         from hydra import compose, initialize_config_module
         from verl.workers.engine_workers import ActorRolloutRefWorker
@@ -132,14 +133,16 @@ class VerlUpdate:
             tokenizer.save_pretrained(workdir)
             with initialize_config_module("verl.trainer.config", version_base=None):
                 config = compose("ppo_trainer", overrides=self.overrides(workdir, lr=lr, weight_decay=weight_decay,
-                                                                         clip_grad=clip_grad))
+                                                                         clip_grad=clip_grad,
+                                                                         entropy_coeff=entropy_coeff))
             self.worker = ActorRolloutRefWorker(config=config.actor_rollout_ref, role="actor")
             self.worker.init_model()  # loads the weights from workdir
         self.model = model
         self._pull()
 
     @staticmethod
-    def overrides(model_path: str, *, lr: float, weight_decay: float, clip_grad: float) -> list[str]:
+    def overrides(model_path: str, *, lr: float, weight_decay: float, clip_grad: float,
+                  entropy_coeff: float = 0.0) -> list[str]:
         """verl's ``ppo_trainer`` config with the CPU recipe's actor settings (recipes/at_grpo_cpu/at_grpo_cpu.yaml)."""
         return [
             f"actor_rollout_ref.model.path={model_path}",
@@ -158,7 +161,7 @@ class VerlUpdate:
             f"actor_rollout_ref.actor.optim.lr={lr}",
             f"actor_rollout_ref.actor.optim.weight_decay={weight_decay}",
             f"actor_rollout_ref.actor.optim.clip_grad={clip_grad}",
-            "actor_rollout_ref.actor.entropy_coeff=0",
+            f"actor_rollout_ref.actor.entropy_coeff={entropy_coeff}",
             "actor_rollout_ref.actor.use_kl_loss=false",
         ]
 
@@ -240,7 +243,8 @@ def advantages(candidates: list[Any], eps: float = 1e-6) -> list[float]:
 
 
 def update(model: Any, optim: torch.optim.Optimizer, candidates: list[Any], adv: list[float], pad_id: int,
-           minibatches: int, clip: float = 0.2, clip_grad: float = 1.0) -> tuple[float, float, float]:
+           minibatches: int, clip: float = 0.2, clip_grad: float = 1.0,
+           entropy_coeff: float = 0.0) -> tuple[float, float, float]:
     """PPO-clip update (token-mean loss) on all candidates, split into ``minibatches`` optimiser steps.
 
     Returns the mean over mini-batches of the loss, of the gradient norm before clipping (verl's
@@ -273,7 +277,7 @@ def update(model: Any, optim: torch.optim.Optimizer, candidates: list[Any], adv:
         entropies.append(float((entropy.detach() * mask).sum() / mask.sum()))
         ratio = torch.exp(logp - old)
         surrogate = torch.minimum(ratio * a, torch.clamp(ratio, 1 - clip, 1 + clip) * a)
-        loss = -(surrogate * mask).sum() / mask.sum()
+        loss = -(surrogate * mask).sum() / mask.sum() - entropy_coeff * (entropy * mask).sum() / mask.sum()
         optim.zero_grad()
         loss.backward()
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad)))
@@ -298,6 +302,8 @@ def main() -> None:
     parser.add_argument("--clip-grad", type=float, default=1.0,
                         help="the gradient-norm clip before each optimiser step (verl's actor.optim.clip_grad: 1.0)")
     parser.add_argument("--max-new-tokens", type=int, default=3)
+    parser.add_argument("--entropy-coeff", type=float, default=0.0,
+                        help="the entropy bonus in the loss (verl's actor.entropy_coeff; the CPU recipe's: 0)")
     parser.add_argument("--drop-zero-variance", action="store_true",
                         help="train only the rows of groups whose rewards differ in ceil(minibatches x kept / all rows) "
                              "mini-batches, as main_ppo's mas.drop_zero_variance (the recipes' default) does "
@@ -313,6 +319,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1 is fastest for this model size)")
     parser.add_argument("--chat", choices=("compact", "chatml"), default="compact",
                         help="the tailored tokenizer's chat layout: its compact default or ChatML (10-token prompts)")
+    parser.add_argument("--save", type=Path, default=None,
+                        help="write the trained model and its tokenizer there after the last step (a model folder "
+                             "the CPU recipes and python -m verl_mas.evaluate load)")
     args = parser.parse_args()
     if args.update == "verl":  # a one-rank gloo group in this process, set before verl is imported
         sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the tests' scenario helpers
@@ -331,13 +340,14 @@ def main() -> None:
     model = build_model(tokenizer, seed=args.seed)
     if args.update == "verl":
         step_update = VerlUpdate(model, tokenizer, lr=args.lr, weight_decay=args.weight_decay,
-                                 clip_grad=args.clip_grad)
+                                 clip_grad=args.clip_grad, entropy_coeff=args.entropy_coeff)
     else:
         optim = (torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
                  if args.weight_decay else torch.optim.Adam(model.parameters(), lr=args.lr))
 
         def step_update(cands: list[Any], adv: list[float], minibatches: int) -> tuple[float, float, float]:
-            return update(model, optim, cands, adv, tokenizer.pad_token_id, minibatches, clip_grad=args.clip_grad)
+            return update(model, optim, cands, adv, tokenizer.pad_token_id, minibatches, clip_grad=args.clip_grad,
+                          entropy_coeff=args.entropy_coeff)
     gen = torch.Generator().manual_seed(args.seed)
     client: TorchSampler | EngineSampler = (
         EngineSampler(model, tokenizer, args.max_new_tokens, args.seed) if args.sampler == "engine"
@@ -345,7 +355,7 @@ def main() -> None:
     config = EpisodeConfig(branching=args.k, max_turns=args.turns)
     eval_config = EpisodeConfig(branching=1, max_turns=args.turns)
     print(f"vocab {len(tokenizer)} tokens, {sum(p.numel() for p in model.parameters())} parameters, "
-          f"K={args.k} T={args.turns} batch={args.batch} lr={args.lr}, update: {args.update}, sampler: {args.sampler}")
+          f"K={args.k} T={args.turns} batch={args.batch} lr={args.lr} entropy_coeff={args.entropy_coeff}, update: {args.update}, sampler: {args.sampler}")
 
     def evaluate(step: int) -> None:
         model.eval()
@@ -406,6 +416,10 @@ def main() -> None:
             reached = (lo + len(chunk), chunk[-1][1])
     print("first window with mean success >= 0.6 ends at: "
           + (f"step {reached[0]}, {reached[1]:.0f}s" if reached else "never"))
+    if args.save is not None:
+        model.save_pretrained(args.save)
+        tokenizer.save_pretrained(args.save)
+        print(f"trained model written to {args.save}")
 
 
 if __name__ == "__main__":
