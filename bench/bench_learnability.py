@@ -277,7 +277,7 @@ def update(model: Any, optim: torch.optim.Optimizer, candidates: list[Any], adv:
         entropies.append(float((entropy.detach() * mask).sum() / mask.sum()))
         ratio = torch.exp(logp - old)
         surrogate = torch.minimum(ratio * a, torch.clamp(ratio, 1 - clip, 1 + clip) * a)
-        loss = -(surrogate * mask).sum() / mask.sum() - entropy_coeff * (entropy * mask).sum() / mask.sum()
+        loss = -((surrogate + entropy_coeff * entropy) * mask).sum() / mask.sum()  # token-mean, entropy bonus
         optim.zero_grad()
         loss.backward()
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad)))
@@ -355,7 +355,8 @@ def main() -> None:
     config = EpisodeConfig(branching=args.k, max_turns=args.turns)
     eval_config = EpisodeConfig(branching=1, max_turns=args.turns)
     print(f"vocab {len(tokenizer)} tokens, {sum(p.numel() for p in model.parameters())} parameters, "
-          f"K={args.k} T={args.turns} batch={args.batch} lr={args.lr} entropy_coeff={args.entropy_coeff}, update: {args.update}, sampler: {args.sampler}")
+          f"K={args.k} T={args.turns} batch={args.batch} lr={args.lr} entropy_coeff={args.entropy_coeff}, "
+          f"update: {args.update}, sampler: {args.sampler}")
 
     def evaluate(step: int) -> None:
         model.eval()
