@@ -123,7 +123,8 @@ class VerlUpdate:
     weights of ``model``, which it refreshes from the actor after every update (the samplers read ``model``)."""
 
     def __init__(self, model: Any, tokenizer: Any, *, lr: float, weight_decay: float, clip_grad: float,
-                 entropy_coeff: float = 0.0) -> None:
+                 entropy_coeff: float = 0.0, schedule: str = "constant", min_lr_ratio: float = 0.0,
+                 steps: int = -1) -> None:
         importlib.import_module("verl")  # with VERL_PLATFORM=cpu: verl_mas's cpu platform
         from hydra import compose, initialize_config_module
         from verl.workers.engine_workers import ActorRolloutRefWorker
@@ -134,7 +135,9 @@ class VerlUpdate:
             with initialize_config_module("verl.trainer.config", version_base=None):
                 config = compose("ppo_trainer", overrides=self.overrides(workdir, lr=lr, weight_decay=weight_decay,
                                                                          clip_grad=clip_grad,
-                                                                         entropy_coeff=entropy_coeff))
+                                                                         entropy_coeff=entropy_coeff,
+                                                                         schedule=schedule, min_lr_ratio=min_lr_ratio,
+                                                                         steps=steps))
             self.worker = ActorRolloutRefWorker(config=config.actor_rollout_ref, role="actor")
             self.worker.init_model()  # loads the weights from workdir
         self.model = model
@@ -142,8 +145,12 @@ class VerlUpdate:
 
     @staticmethod
     def overrides(model_path: str, *, lr: float, weight_decay: float, clip_grad: float,
-                  entropy_coeff: float = 0.0) -> list[str]:
-        """verl's ``ppo_trainer`` config with the CPU recipe's actor settings (recipes/at_grpo_cpu/at_grpo_cpu.yaml)."""
+                  entropy_coeff: float = 0.0, schedule: str = "constant", min_lr_ratio: float = 0.0,
+                  steps: int = -1) -> list[str]:
+        """verl's ``ppo_trainer`` config with the CPU recipe's actor settings (recipes/at_grpo_cpu/at_grpo_cpu.yaml).
+
+        ``schedule`` is verl's ``actor.optim.lr_scheduler_type``; verl's worker steps it once per ``update_actor``
+        call, over ``steps`` calls (main_ppo sets ``optim.total_training_steps`` to the run's steps itself)."""
         return [
             f"actor_rollout_ref.model.path={model_path}",
             "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
@@ -163,7 +170,14 @@ class VerlUpdate:
             f"actor_rollout_ref.actor.optim.clip_grad={clip_grad}",
             f"actor_rollout_ref.actor.entropy_coeff={entropy_coeff}",
             "actor_rollout_ref.actor.use_kl_loss=false",
+            f"actor_rollout_ref.actor.optim.lr_scheduler_type={schedule}",
+            f"actor_rollout_ref.actor.optim.min_lr_ratio={min_lr_ratio}",
+            f"actor_rollout_ref.actor.optim.total_training_steps={steps}",
         ]
+
+    def lr(self) -> float:
+        """The rate of the actor's next optimiser step."""
+        return self.worker.actor.engine.optimizer.param_groups[0]["lr"]
 
     def _pull(self) -> None:
         module = self.worker.actor.engine.module
@@ -301,6 +315,11 @@ def main() -> None:
                         help="AdamW's decoupled weight decay (verl's actor default: 0.01); 0: plain Adam")
     parser.add_argument("--clip-grad", type=float, default=1.0,
                         help="the gradient-norm clip before each optimiser step (verl's actor.optim.clip_grad: 1.0)")
+    parser.add_argument("--lr-schedule", choices=("constant", "cosine"), default="constant",
+                        help="verl's actor.optim.lr_scheduler_type, stepped once a training step over --steps (the CPU "
+                             "recipes': constant)")
+    parser.add_argument("--min-lr-ratio", type=float, default=0.0,
+                        help="with --lr-schedule cosine: the last step's rate over --lr (verl's optim.min_lr_ratio)")
     parser.add_argument("--max-new-tokens", type=int, default=3)
     parser.add_argument("--entropy-coeff", type=float, default=0.0,
                         help="the entropy bonus in the loss (verl's actor.entropy_coeff; the CPU recipe's: 0)")
@@ -340,14 +359,26 @@ def main() -> None:
     model = build_model(tokenizer, seed=args.seed)
     if args.update == "verl":
         step_update = VerlUpdate(model, tokenizer, lr=args.lr, weight_decay=args.weight_decay,
-                                 clip_grad=args.clip_grad, entropy_coeff=args.entropy_coeff)
+                                 clip_grad=args.clip_grad, entropy_coeff=args.entropy_coeff,
+                                 schedule=args.lr_schedule, min_lr_ratio=args.min_lr_ratio, steps=args.steps)
+        current_lr = step_update.lr
     else:
+        from verl.utils.torch_functional import get_constant_schedule_with_warmup, get_cosine_schedule_with_warmup
+
         optim = (torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
                  if args.weight_decay else torch.optim.Adam(model.parameters(), lr=args.lr))
+        # verl's schedules, stepped as verl's worker steps them: once a training step
+        scheduler = (get_cosine_schedule_with_warmup(optim, 0, args.steps, min_lr_ratio=args.min_lr_ratio)
+                     if args.lr_schedule == "cosine" else get_constant_schedule_with_warmup(optim, 0))
 
         def step_update(cands: list[Any], adv: list[float], minibatches: int) -> tuple[float, float, float]:
-            return update(model, optim, cands, adv, tokenizer.pad_token_id, minibatches, clip_grad=args.clip_grad,
-                          entropy_coeff=args.entropy_coeff)
+            result = update(model, optim, cands, adv, tokenizer.pad_token_id, minibatches, clip_grad=args.clip_grad,
+                            entropy_coeff=args.entropy_coeff)
+            scheduler.step()
+            return result
+
+        def current_lr() -> float:
+            return optim.param_groups[0]["lr"]
     gen = torch.Generator().manual_seed(args.seed)
     client: TorchSampler | EngineSampler = (
         EngineSampler(model, tokenizer, args.max_new_tokens, args.seed) if args.sampler == "engine"
@@ -355,8 +386,9 @@ def main() -> None:
     config = EpisodeConfig(branching=args.k, max_turns=args.turns)
     eval_config = EpisodeConfig(branching=1, max_turns=args.turns)
     print(f"vocab {len(tokenizer)} tokens, {sum(p.numel() for p in model.parameters())} parameters, "
-          f"K={args.k} T={args.turns} batch={args.batch} lr={args.lr} entropy_coeff={args.entropy_coeff}, "
-          f"update: {args.update}, sampler: {args.sampler}")
+          f"K={args.k} T={args.turns} batch={args.batch} lr={args.lr} ({args.lr_schedule}"
+          + (f" to {args.min_lr_ratio:g}x" if args.lr_schedule == "cosine" else "")
+          + f") entropy_coeff={args.entropy_coeff}, update: {args.update}, sampler: {args.sampler}")
 
     def evaluate(step: int) -> None:
         model.eval()
@@ -389,7 +421,7 @@ def main() -> None:
             if kept and not args.drop_keeps_steps:
                 minibatches = dropped_rows_steps(args.minibatches, len(kept), len(cands))
         # as main_ppo: no optimiser step without a row to train
-        nan = float("nan")
+        nan, lr = float("nan"), current_lr()
         loss, grad_norm, entropy = step_update(trained, trained_adv, minibatches) if trained else (nan, nan, nan)
         success = statistics.fmean(e.metrics["mas/success"] for e in episodes)
         by_role = {
@@ -402,6 +434,7 @@ def main() -> None:
         history.append((success, elapsed))
         print(f"step {step:3d}  success {success:.2f}  " + "  ".join(f"{r} {v:.2f}" for r, v in by_role.items()) + "  "
               f"zero-std groups {zero_std:.2f}  loss {loss:+.3f}  grad norm {grad_norm:.2f}  entropy {entropy:.2f}  "
+              f"lr {lr:.1e}  "
               f"{elapsed:6.1f}s", flush=True)
         if step % args.eval_every == 0:
             evaluate(step)
