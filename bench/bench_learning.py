@@ -38,7 +38,7 @@ over several invocations. ``--summary`` prints the summary alone. The per-role r
 Usage::
 
     python bench/bench_learning.py                           # relay-v0: at_grpo traj_grpo parallel, 40 steps, 3 seeds
-    python bench/bench_learning.py --workflow gridwalk-v0     # every comparison, 100 steps, 3 seeds
+    python bench/bench_learning.py --workflow gridwalk-v0     # every comparison, 200 steps, 3 seeds
     python bench/bench_learning.py --workflow gridwalk-v0 --configs at_grpo parallel --seeds 0 --steps 50
     python bench/bench_learning.py --workflow gridwalk-v0 --summary [--markdown]   # the recorded runs, nothing run
 
@@ -70,7 +70,7 @@ WORKFLOWS = {
                  "single": None, "steps": 40, "k": 8, "turns": 4, "tokens": 3,
                  "configs": ("at_grpo", "traj_grpo", "parallel")},
     "gridwalk-v0": {"recipe": REPO / "recipes" / "gridwalk_cpu" / "run.sh", "roles": ("scout", "walker"),
-                    "single": "gridwalk-single-v0", "steps": 100, "k": 8, "turns": 6, "tokens": 1,
+                    "single": "gridwalk-single-v0", "steps": 200, "k": 8, "turns": 6, "tokens": 1,
                     "configs": ("at_grpo", "traj_grpo", "parallel", "together", "alone", "single")},
 }
 #: bench name -> (verl_mas.config.ABLATIONS name, further overrides) for the single-run configurations.
@@ -309,7 +309,7 @@ def markdown(results: dict[str, dict[int, dict[str, float]]]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workflow", default="relay-v0", choices=list(WORKFLOWS))
-    parser.add_argument("--steps", type=int, default=None, help="default: the workflow's (relay-v0 40, gridwalk-v0 100)")
+    parser.add_argument("--steps", type=int, default=None, help="default: the workflow's (relay-v0 40, gridwalk-v0 200)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--configs", nargs="+", default=None, choices=[*ABLATION_CONFIGS, *TEAM_CONFIGS],
                         help="default: the workflow's")

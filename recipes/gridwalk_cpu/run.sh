@@ -9,9 +9,12 @@ export WORKFLOW="${WORKFLOW:-gridwalk-v0}" TRAIN_TASKS="${TRAIN_TASKS:-256}" TES
 export VERL_MAS_RUN_DIR="${VERL_MAS_RUN_DIR:-runs/gridwalk_cpu}"
 # Shortest paths of 2-6 moves, one move a turn: 6 turns. One token per answer (every move word is one token of the
 # tailored tokenizer; a longer answer only adds tokens the parser ignores). lr 1e-3 in 2 mini-batches a step: at
-# the quickstart's 3e-3 in 8 the policy turned deterministic on wrong moves within 20-30 steps (README.md).
+# the quickstart's 3e-3 in 8 the policy turned deterministic on wrong moves within 20-30 steps. Every row trains
+# (flat groups included) with an entropy bonus, and 200 steps: with zero-variance groups dropped, or in 100 steps,
+# some seeds stall or collapse (README.md).
 exec bash "$HERE/../at_grpo_cpu/run.sh" \
   mas.max_turns=6 data.max_response_length=1 \
   actor_rollout_ref.actor.optim.lr=1e-3 actor_rollout_ref.actor.ppo_mini_batch_size=8 \
-  trainer.total_training_steps=100 trainer.test_freq=20 trainer.experiment_name=gridwalk_cpu \
+  mas.drop_zero_variance=false actor_rollout_ref.actor.entropy_coeff=0.03 \
+  trainer.total_training_steps=200 trainer.test_freq=40 trainer.experiment_name=gridwalk_cpu \
   "$@"
