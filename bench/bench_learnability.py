@@ -122,9 +122,8 @@ class VerlUpdate:
     """The PPO update through verl's FSDP2 actor, with the CPU recipe's actor settings (recipes/at_grpo_cpu), on the
     weights of ``model``, which it refreshes from the actor after every update (the samplers read ``model``)."""
 
-    def __init__(self, model: Any, tokenizer: Any, *, lr: float, weight_decay: float, clip_grad: float,
-                 entropy_coeff: float = 0.0, schedule: str = "constant", min_lr_ratio: float = 0.0,
-                 steps: int = -1) -> None:
+    def __init__(self, model: Any, tokenizer: Any, **settings: Any) -> None:
+        """``settings``: the keyword arguments of :meth:`overrides` after the model path."""
         importlib.import_module("verl")  # with VERL_PLATFORM=cpu: verl_mas's cpu platform
         from hydra import compose, initialize_config_module
         from verl.workers.engine_workers import ActorRolloutRefWorker
@@ -133,11 +132,7 @@ class VerlUpdate:
             model.save_pretrained(workdir)
             tokenizer.save_pretrained(workdir)
             with initialize_config_module("verl.trainer.config", version_base=None):
-                config = compose("ppo_trainer", overrides=self.overrides(workdir, lr=lr, weight_decay=weight_decay,
-                                                                         clip_grad=clip_grad,
-                                                                         entropy_coeff=entropy_coeff,
-                                                                         schedule=schedule, min_lr_ratio=min_lr_ratio,
-                                                                         steps=steps))
+                config = compose("ppo_trainer", overrides=self.overrides(workdir, **settings))
             self.worker = ActorRolloutRefWorker(config=config.actor_rollout_ref, role="actor")
             self.worker.init_model()  # loads the weights from workdir
         self.model = model
@@ -322,7 +317,8 @@ def main() -> None:
                         help="with --lr-schedule cosine: the last step's rate over --lr (verl's optim.min_lr_ratio)")
     parser.add_argument("--max-new-tokens", type=int, default=3)
     parser.add_argument("--entropy-coeff", type=float, default=0.0,
-                        help="the entropy bonus in the loss (verl's actor.entropy_coeff; the CPU recipe's: 0)")
+                        help="the entropy bonus in the loss (verl's actor.entropy_coeff; recipes/at_grpo_cpu's: 0, "
+                             "recipes/gridwalk_cpu's: 0.03)")
     parser.add_argument("--drop-zero-variance", action="store_true",
                         help="train only the rows of groups whose rewards differ in ceil(minibatches x kept / all rows) "
                              "mini-batches, as main_ppo's mas.drop_zero_variance (the recipes' default) does "
@@ -342,6 +338,9 @@ def main() -> None:
                         help="write the trained model and its tokenizer there after the last step (a model folder "
                              "the CPU recipes and python -m verl_mas.evaluate load)")
     args = parser.parse_args()
+    if args.min_lr_ratio and args.lr_schedule != "cosine":
+        parser.error("--min-lr-ratio sets where the cosine schedule ends; a constant rate has none: add "
+                     "--lr-schedule cosine or drop --min-lr-ratio")
     if args.update == "verl":  # a one-rank gloo group in this process, set before verl is imported
         sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the tests' scenario helpers
         from _fsdp_helpers import one_rank_env
