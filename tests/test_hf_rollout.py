@@ -184,8 +184,9 @@ async def test_batched_sampling_keeps_per_request_settings_and_seeds(engine: HFG
 
 @pytest.mark.slow  # starts Ray in a child interpreter
 def test_server_actor_under_concurrent_ray_requests(tiny_model_dir: Path) -> None:
-    """The Ray server actor verl talks to: 32 concurrent generate calls vs one-at-a-time calls; every sample names
-    the replica that served it, and the counters the trainer logs per replica count every request."""
+    """The Ray server actor verl talks to: 32 concurrent generate calls vs one-at-a-time calls, and one request for
+    3 samples; every sample names the replica that served it, and the counters the trainer logs per replica count
+    every request and sample."""
     code = f"""
         import asyncio, json, ray
         import verl  # loads the plugin
@@ -208,13 +209,24 @@ def test_server_actor_under_concurrent_ray_requests(tiny_model_dir: Path) -> Non
             return await asyncio.gather(*refs)
 
         together = asyncio.run(burst())
+        # One request for 3 samples of a prompt (the mas agent loop's group): greedy, so each is the prompt's answer.
+        head = ray.get(server.generate.remote(prompts[0], dict(params), "group", mas_samples=3))
+        group = head.extra_fields.get("mas_group", [])
+        grouped = [len(group), all(g.token_ids == one_by_one[0].token_ids for g in group),
+                   head.token_ids == one_by_one[0].token_ids, sorted({{g.extra_fields["mas_replica"] for g in group}})]
+        try:
+            ray.get(server.generate.remote(prompts[0], dict(params), "none", mas_samples=0))
+            refused = ""
+        except ray.exceptions.RayTaskError as exc:
+            refused = str(exc.cause)
         ok = all(t.token_ids == one_by_one[j % len(prompts)].token_ids and
                  max(abs(a - b) for a, b in zip(t.log_probs, one_by_one[j % len(prompts)].log_probs)) < 1e-5
                  for j, t in enumerate(together))
         print(json.dumps({{"ok": ok, "n": len(together), "stats": ray.get(server.stats.remote()),
                           "replicas": sorted({{t.extra_fields["mas_replica"] for t in together + one_by_one}}),
                           "steps": [t.extra_fields["global_steps"] for t in together[:2]],
-                          "lens": sorted({{len(t.token_ids) for t in together}}), "stop": together[0].stop_reason}}))
+                          "lens": sorted({{len(t.token_ids) for t in together}}), "stop": together[0].stop_reason,
+                          "grouped": grouped, "refused": refused}}))
         ray.shutdown()
     """
     env = {k: v for k, v in os.environ.items() if not k.startswith("VERL_")}
@@ -225,5 +237,9 @@ def test_server_actor_under_concurrent_ray_requests(tiny_model_dir: Path) -> Non
     assert result["ok"] is True and result["n"] == 32
     assert result["steps"] == [0, 0] and result["stop"] == "completed"
     assert max(result["lens"]) <= 8
-    assert result["stats"] == {"requests": len(PROMPTS) * 5, "weight_updates": 0, "weight_bytes": 0}
+    assert result["grouped"] == [3, True, True, [3]]
+    assert "mas_samples=0" in result["refused"]
+    # The 5 passes over the prompts, one sample each, then one request of 3 samples (the refused one counts nothing).
+    assert result["stats"] == {"requests": len(PROMPTS) * 5 + 1, "samples": len(PROMPTS) * 5 + 3,
+                               "weight_updates": 0, "weight_bytes": 0}
     assert result["replicas"] == [3]  # the replica rank the server was started with

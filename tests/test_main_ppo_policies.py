@@ -237,9 +237,10 @@ def _check_per_role_models_step(d: dict, step: int, *, replicas: int, syncs_at_s
             assert [d[f"policy/{policy}/rollout/replica{r}/weight_updates"] for r in range(replicas)] == \
                 [syncs] * replicas, (policy, step)
             assert all(d[f"policy/{policy}/rollout/replica{r}/requests"] > 0 for r in range(replicas)), (policy, step)
-    if step == 1:  # no validation in it: K requests per turn the role acted in, on its policy's servers only
-        for role in ("caller", "runner"):
-            assert d[f"policy/{role}/rollout/requests"] == round(K * TASKS * d[f"mas/{role}/turns"]), (role, step)
+    if step == 1:  # no validation in it: K samples per turn the role acted in, on its policy's servers only, in one
+        for role in ("caller", "runner"):  # request (the hf backend samples a group in one)
+            assert d[f"policy/{role}/rollout/samples"] == round(K * TASKS * d[f"mas/{role}/turns"]), (role, step)
+            assert d[f"policy/{role}/rollout/requests"] == round(TASKS * d[f"mas/{role}/turns"]), (role, step)
     assert (d["mas/rollout/sessions"], d["mas/rollout/sessions_split"]) == (2 * TASKS, 0.0), step
     assert d["mas/runner/reward/mean"] == 0.0  # alpha=0: the runner's control condition
     assert d["policy/runner/actor/grad_norm"] == 0.0
@@ -294,9 +295,10 @@ def test_three_lora_adapters_on_one_base_train_at_two_ranks_with_two_replicas_sy
         for policy in CHAIN:
             assert all(d[f"policy/{policy}/rollout/replica{r}/requests"] > 0 for r in range(DP))
         if m["step"] == 1:
-            # The rollout served each role's K requests per turn under that role's adapter, on the two replicas.
+            # The rollout served each role's K samples per turn, in one request, under that role's adapter.
             for role in CHAIN:
-                assert d[f"policy/{role}/rollout/requests"] == round(K * TASKS * d[f"mas/{role}/turns"])
+                assert d[f"policy/{role}/rollout/samples"] == round(K * TASKS * d[f"mas/{role}/turns"])
+                assert d[f"policy/{role}/rollout/requests"] == round(TASKS * d[f"mas/{role}/turns"])
             # Before step 1, on each replica: verl's first sync sends the base once (the rollout started from dummy
             # weights) and the three adapters, then the sync at the start of training the adapters again.
             assert d["mas/rollout/weight_bytes"] == DP * (base_bytes + 2 * len(CHAIN) * adapter_bytes)

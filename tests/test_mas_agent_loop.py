@@ -375,6 +375,81 @@ async def test_each_candidate_has_its_own_request_id_routed_by_its_session(tiny_
     assert sorted(i for i in ids if "|planner|" in i)[:3] == [f"{routing_key(ids[0])}#0.{k}" for k in range(3)]
 
 
+class ServerClient:
+    """verl's LLM server client contract over the hf backend's real server class, in process: ``**kwargs`` pass
+    through to the server, and verl's client fields (min/max global steps) are stamped on what it returns.
+    ``keep`` cuts every group to its first ``keep`` samples (a server breaking the grouped contract)."""
+
+    def __init__(self, tiny_model_dir: Path, keep: int | None = None) -> None:
+        from verl.workers.config import RolloutConfig
+
+        from verl_mas.backends.hf.server import HFRolloutServer
+
+        class ModelConfig:
+            path = local_path = str(tiny_model_dir)
+            trust_remote_code = False
+
+        config = RolloutConfig(name="hf", prompt_length=512, response_length=6, tensor_model_parallel_size=1)
+        self.server = HFRolloutServer(config, ModelConfig(), replica_rank=1)
+        self.server.global_steps = 3
+        self.keep = keep
+        self.requests: list[tuple[str, dict]] = []
+
+    async def generate(self, request_id: str, *, prompt_ids: list[int], sampling_params: dict, **kwargs):
+        self.requests.append((request_id, dict(kwargs)))
+        out = await self.server.generate(prompt_ids, sampling_params, request_id, **kwargs)
+        if self.keep is not None and "mas_group" in out.extra_fields:
+            out.extra_fields["mas_group"] = out.extra_fields["mas_group"][: self.keep]
+        out.extra_fields.setdefault("min_global_steps", out.extra_fields["global_steps"])
+        out.extra_fields.setdefault("max_global_steps", out.extra_fields["global_steps"])
+        return out
+
+
+async def test_on_the_hf_backend_a_group_is_one_request_of_k_samples(tiny_model_dir: Path) -> None:
+    from verl_mas.agent_loop import RolloutServerError
+    from verl_mas.errors import LLMClientError
+    from verl_mas.routing import routing_key
+
+    client = ServerClient(tiny_model_dir)
+    loop, _, engine = _make_loop(tiny_model_dir, {"branching": 3, "max_turns": 2}, rollout={"name": "hf"}, client=client)
+    outputs = await loop.run(dict(SAMPLING), **_row("taskG", {"start": 0, "goal": 5}))
+    # goal 5 is unreachable in 2 turns: 2 turns x 2 roles = 4 groups, each one request for 3 samples -> 12 outputs.
+    assert [kw for _, kw in client.requests] == [{"mas_samples": 3}] * 4 and len(outputs) == 12
+    assert client.server.counter.stats() == {"requests": 4, "samples": 12}
+    ids = [i for i, _ in client.requests]
+    assert all(i == f"{routing_key(i)}#{turn}.0" for i, turn in zip(ids, (0, 0, 1, 1)))
+    groups: dict[tuple[str, int], list] = {}
+    for out in outputs:
+        row = CandidateRow.from_extra_fields(out.extra_fields)
+        groups.setdefault((row.role, row.turn), []).append(out)
+        # Each sample keeps its own and the request's fields (verl's schema comes from the first output).
+        assert out.extra_fields["min_global_steps"] == out.extra_fields["max_global_steps"] == 3
+        assert out.extra_fields["mas_replica"] == 1 and "mas_group" not in out.extra_fields
+    assert len({tuple(sorted(o.extra_fields)) for o in outputs}) == 1
+    assert sorted(len(m) for m in groups.values()) == [3] * 4
+    assert all(sum(m.extra_fields["mas_committed"] for m in members) == 1 for members in groups.values())
+    # Every sample's log-probs are its own tokens' under the model (the samples were not mixed up in the group).
+    for out in outputs:
+        ids_ = torch.tensor([out.prompt_ids + out.response_ids])
+        with torch.no_grad():
+            logits = engine.model(input_ids=ids_).logits[0]
+        n = len(out.prompt_ids)
+        ref = torch.log_softmax(logits[n - 1 : n - 1 + len(out.response_ids)], -1).gather(
+            1, torch.tensor(out.response_ids)[:, None])[:, 0]
+        assert torch.allclose(torch.tensor(out.response_logprobs), ref, atol=1e-5)
+    # Negative control: a server that answers a group with fewer samples than asked stops the run (not a model mistake).
+    short, _, _ = _make_loop(tiny_model_dir, {"branching": 3, "max_turns": 2}, rollout={"name": "hf"},
+                             client=ServerClient(tiny_model_dir, keep=2))
+    with pytest.raises(LLMClientError) as err:
+        await short.run(dict(SAMPLING), **_row("taskG", {"start": 0, "goal": 5}))
+    assert isinstance(err.value.__cause__, RolloutServerError) and "got 2" in str(err.value)
+    # Without a backend name (or on vLLM), the group is K single-sample requests, as verl's contract has it.
+    fanned = ServerClient(tiny_model_dir)
+    plain, _, _ = _make_loop(tiny_model_dir, {"branching": 3, "max_turns": 2}, client=fanned)
+    assert len(await plain.run(dict(SAMPLING), **_row("taskG", {"start": 0, "goal": 5}))) == 12
+    assert [kw for _, kw in fanned.requests] == [{}] * 12
+
+
 async def test_chat_template_kwargs_reach_every_prompt_with_per_role_overrides(tiny_model_dir: Path) -> None:
     from transformers import AutoTokenizer
 

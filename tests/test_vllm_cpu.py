@@ -189,7 +189,9 @@ def _two_policy_run(recipe_runs, tmp_path: Path, tag: str, *overrides: str, sync
             assert d[f"policy/{policy}/training/rollout_probs_diff_mean"] < gap, policy
             syncs = syncs_at_step_1[policy] if m["step"] == 1 else 1.0
             assert d[f"policy/{policy}/rollout/weight_updates"] == dp * syncs, policy
-            assert d[f"policy/{policy}/rollout/requests"] == round(K * TASKS * d[f"mas/{policy}/turns"]), policy
+            # vLLM's servers take one sample per request: K requests per turn the role acted in.
+            assert d[f"policy/{policy}/rollout/requests"] == d[f"policy/{policy}/rollout/samples"] == \
+                round(K * TASKS * d[f"mas/{policy}/turns"]), policy
             if dp > 1:
                 assert [d[f"policy/{policy}/rollout/replica{r}/weight_updates"] for r in range(dp)] == [syncs] * dp
                 assert all(d[f"policy/{policy}/rollout/replica{r}/requests"] > 0 for r in range(dp)), policy

@@ -5,8 +5,8 @@ verl's AgentLoopWorker instantiates this class for rows whose ``agent_name`` is 
 
 1. reads the workflow id and the task from the row's ``extra_info`` (``workflow``, ``task`` as JSON);
 2. runs the episode engine (:func:`verl_mas.run_episode`) with a client that sends every request to
-   verl's LLM server client, token ids in and out, K concurrent single-sample requests per group, one
-   sticky request id per (episode, role);
+   verl's LLM server client, token ids in and out, one request of K samples per group on the ``hf`` backend
+   (K concurrent single-sample requests on the others), one sticky routing key per (episode, role);
 3. returns one :class:`AgentLoopOutput` per *trainable* candidate (infrastructure failures are dropped,
    never trained on), with the sampled ids, their rollout log-probs, and a :class:`verl_mas.rows.CandidateRow`
    in ``extra_fields`` (role, turn, policy, rewards, the committed flag, a prompt hash the ``mas`` trainer checks).
@@ -47,6 +47,8 @@ from verl.trainer.ppo.v1.agent_loop_tq import apply_greedy_sampling_params
 from verl.workers.config import SamplingConfig
 
 from verl_mas.backends.counters import REPLICA_FIELD
+from verl_mas.backends.hf import BACKEND_NAME as HF_BACKEND
+from verl_mas.backends.hf import GROUP_FIELD, SAMPLES_KWARG
 from verl_mas.client import GenerateRequest, Sample, fan_out
 from verl_mas.config import MasConfig, MasConfigError, mas_trainer_selected
 from verl_mas.engine import run_episode
@@ -150,59 +152,85 @@ def _is_infra_cause(cause: BaseException | None) -> bool:
 class VerlServerClient:
     """:class:`verl_mas.LLMClient` over verl's LLM server client (``server_manager`` of an agent loop).
 
-    verl's servers take one sample per request, so a group of K is K concurrent requests of the same
-    prompt ids, each with its own request id routed by the (episode, role) session
-    (:func:`verl_mas.routing.candidate_request_id`). A lost server (Ray actor errors, timeouts, a server
-    out of memory) is an infrastructure failure: the candidate is dropped. A server that raises on the
-    request (e.g. verl's "leaves no room to generate") raises :class:`RolloutServerError`.
+    verl's server contract is one sample per request. On such backends a group of K is K concurrent requests of
+    the same prompt ids, each with its own request id routed by the (episode, role) session
+    (:func:`verl_mas.routing.candidate_request_id`). On the ``hf`` backend (``grouped``) a group is one request
+    for K samples (:data:`verl_mas.backends.hf.SAMPLES_KWARG`, passed through by verl's client), decoded in one
+    batch: one Ray round trip per group instead of K (``bench/bench_rollout_requests.py``). A lost server (Ray
+    actor errors, timeouts, a server out of memory) is an infrastructure failure: its candidates are dropped. A
+    server that raises on the request (e.g. verl's "leaves no room to generate") raises :class:`RolloutServerError`.
 
     Args:
         server_manager: verl's client (with several policies a :class:`verl_mas.routing.PolicyRouterClient`).
         sampling_params: verl's sampling parameters, with the policy's own settings over them.
         policy: The policy whose servers answer (None: verl's single stack).
+        grouped: Whether those servers answer a request for K samples (the ``hf`` backend).
     """
 
-    def __init__(self, server_manager: Any, sampling_params: Mapping[str, Any], policy: str | None = None) -> None:
+    def __init__(self, server_manager: Any, sampling_params: Mapping[str, Any], policy: str | None = None,
+                 grouped: bool = False) -> None:
         self.server_manager = server_manager
         self.sampling_params = dict(sampling_params)
         self.policy = policy
+        self.grouped = grouped
 
-    async def generate(self, request: GenerateRequest) -> list[Sample]:
+    async def _request(self, request: GenerateRequest, request_id: str, **kwargs: Any) -> Any:
+        """One request to the policy's servers; Ray's errors mapped onto the failure contract."""
         import ray
 
         routing = {"policy": self.policy} if self.policy is not None else {}
-        turn = int(request.group_key.rpartition(GROUP_KEY_SEP)[2])
-
-        async def one(i: int) -> Sample:
-            try:
-                out = await self.server_manager.generate(
-                    request_id=candidate_request_id(request.session_id, turn, i),
-                    prompt_ids=list(request.prompt_ids),
-                    sampling_params=dict(self.sampling_params),
-                    **routing,
-                )
-            except ray.exceptions.RayTaskError as exc:
-                cause = getattr(exc, "cause", None)
-                if _is_infra_cause(cause):
-                    raise InfraError(f"rollout server failed for group {request.group_key}: {exc}") from exc
-                raise RolloutServerError(
-                    f"the rollout server raised {type(cause).__name__ if cause else 'an error'} on a request of group "
-                    f"{request.group_key} ({len(request.prompt_ids)} prompt tokens): {cause or exc}. A server that "
-                    "rejects a request rejects it again; this is a configuration or workflow bug, not a model "
-                    "mistake or a transient failure (check rollout.prompt_length/response_length/max_model_len)."
-                ) from exc
-            except ray.exceptions.RayError as exc:  # the actor or its node is gone, the object lost, ...
-                raise InfraError(f"rollout server failed for group {request.group_key}: {exc}") from exc
-            if out.stop_reason == "aborted":
-                return Sample.failed("the rollout server aborted the request")
-            return Sample(
-                token_ids=list(out.token_ids),
-                logprobs=list(out.log_probs) if out.log_probs is not None else None,
-                stop_reason=out.stop_reason,
-                extra=dict(out.extra_fields or {}),
+        try:
+            return await self.server_manager.generate(
+                request_id=request_id, prompt_ids=list(request.prompt_ids), sampling_params=dict(self.sampling_params),
+                **routing, **kwargs,
             )
+        except ray.exceptions.RayTaskError as exc:
+            cause = getattr(exc, "cause", None)
+            if _is_infra_cause(cause):
+                raise InfraError(f"rollout server failed for group {request.group_key}: {exc}") from exc
+            raise RolloutServerError(
+                f"the rollout server raised {type(cause).__name__ if cause else 'an error'} on a request of group "
+                f"{request.group_key} ({len(request.prompt_ids)} prompt tokens): {cause or exc}. A server that "
+                "rejects a request rejects it again; this is a configuration or workflow bug, not a model "
+                "mistake or a transient failure (check rollout.prompt_length/response_length/max_model_len)."
+            ) from exc
+        except ray.exceptions.RayError as exc:  # the actor or its node is gone, the object lost, ...
+            raise InfraError(f"rollout server failed for group {request.group_key}: {exc}") from exc
 
-        return await fan_out(request.n, one)
+    async def generate(self, request: GenerateRequest) -> list[Sample]:
+        turn = int(request.group_key.rpartition(GROUP_KEY_SEP)[2])
+        if not self.grouped:
+            async def one(i: int) -> Sample:
+                return _sample(await self._request(request, candidate_request_id(request.session_id, turn, i)))
+
+            return await fan_out(request.n, one)
+        # One request for the group, under its first candidate's id (the session part routes it).
+        out = await self._request(request, candidate_request_id(request.session_id, turn, 0),
+                                  **({SAMPLES_KWARG: request.n} if request.n > 1 else {}))
+        if request.n == 1:
+            return [_sample(out)]
+        fields = dict(out.extra_fields or {})
+        group = fields.pop(GROUP_FIELD, None)
+        if not isinstance(group, list) or len(group) != request.n:
+            raise RolloutServerError(
+                f"asked the rollout server for {request.n} samples of group {request.group_key} in one request "
+                f"({SAMPLES_KWARG}) and got {len(group) if isinstance(group, list) else 'no'} in "
+                f"extra_fields[{GROUP_FIELD!r}]. Only rollout.name={HF_BACKEND!r} answers such requests."
+            )
+        # verl's client stamped its fields (min/max_global_steps) on the request's output: every sample shares them.
+        return [_sample(o, shared=fields) for o in group]
+
+
+def _sample(out: Any, shared: Mapping[str, Any] | None = None) -> Sample:
+    """A verl ``TokenOutput`` as a :class:`Sample` (``shared``: the request's fields, under the sample's own)."""
+    if out.stop_reason == "aborted":
+        return Sample.failed("the rollout server aborted the request")
+    return Sample(
+        token_ids=list(out.token_ids),
+        logprobs=list(out.log_probs) if out.log_probs is not None else None,
+        stop_reason=out.stop_reason,
+        extra={**(shared or {}), **(out.extra_fields or {})},
+    )
 
 
 class MasAgentLoop(AgentLoopBase):
@@ -362,8 +390,10 @@ class MasAgentLoop(AgentLoopBase):
     async def _play(self, workflow_id: str, task: Any, params: Mapping[str, Mapping[str, Any]], config: Any, *,
                     seed: int, uid: str) -> Episode:
         """One episode, each role's requests sent to its policy's servers with that policy's ``params``."""
+        rollouts = self._policy_rollouts()
         client = RoleRoutedClient.from_router(self.router, {
-            name: VerlServerClient(self.server_manager, params[name], policy=name if self.router.multi_policy else None)
+            name: VerlServerClient(self.server_manager, params[name], policy=name if self.router.multi_policy else None,
+                                   grouped=rollouts[name].get("name", None) == HF_BACKEND)
             for name in self.router.policies
         })
         return await run_episode(workflow_id, task, client=client, tokenizer=self.role_tokenizers, config=config,

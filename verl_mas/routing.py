@@ -264,11 +264,12 @@ class SessionRoutedClient(LLMServerClient):
     """verl's LLM server client with one request id per candidate, routed by the candidate's session.
 
     The ``mas`` agent loop sends the K concurrent candidates of a group as K requests with ids
-    ``"<session>#<turn>.<i>"`` (session = one episode and role). verl's load balancer routes on the
-    session part only, so every candidate and every turn of one (episode, role) reaches one server
-    (prefix-cache affinity, sticky or by hash under ``rollout.full_determinism``), while the server sees a
-    distinct, deterministic id per candidate: verl forwards the caller's id unchanged under
-    ``full_determinism``, where K requests sharing one id would collide in the engine.
+    ``"<session>#<turn>.<i>"`` (session = one episode and role; on the ``hf`` backend one request of K samples
+    under the first id). verl's load balancer routes on the session part only, so every candidate and every
+    turn of one (episode, role) reaches one server (prefix-cache affinity, sticky or by hash under
+    ``rollout.full_determinism``), while the server sees a distinct, deterministic id per candidate: verl
+    forwards the caller's id unchanged under ``full_determinism``, where K requests sharing one id would
+    collide in the engine.
     """
 
     async def _acquire_server(self, request_id: str, **extra: Any) -> Any:

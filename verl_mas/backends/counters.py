@@ -10,18 +10,19 @@ REPLICA_FIELD = "mas_replica"
 
 
 class RequestCounter:
-    """A rollout server's request counts since it started, and per adapter on a shared LoRA base."""
+    """A rollout server's request and sample counts since it started, and per adapter on a shared LoRA base."""
 
     def __init__(self) -> None:
-        self.requests = 0
-        self.by_adapter: dict[str, int] = {}
+        self.totals: dict[str, int] = {"requests": 0, "samples": 0}
 
-    def count(self, adapter: str | None) -> None:
-        """One request served (``adapter``: the LoRA adapter it named, None for the server's one model)."""
-        self.requests += 1
-        if adapter is not None:
-            self.by_adapter[adapter] = self.by_adapter.get(adapter, 0) + 1
+    def count(self, adapter: str | None, samples: int = 1) -> None:
+        """One request served, of ``samples`` samples (``adapter``: the LoRA adapter it named, None for the server's
+        one model)."""
+        keys = ("requests", "samples") if adapter is None else (
+            "requests", "samples", f"requests:{adapter}", f"samples:{adapter}")
+        for key in keys:
+            self.totals[key] = self.totals.get(key, 0) + (1 if key.startswith("requests") else samples)
 
     def stats(self) -> dict[str, int]:
-        """``requests`` and ``requests:<adapter>`` since start."""
-        return {"requests": self.requests, **{f"requests:{name}": n for name, n in self.by_adapter.items()}}
+        """``requests`` and ``samples`` since start, and ``requests:<adapter>`` / ``samples:<adapter>``."""
+        return dict(self.totals)

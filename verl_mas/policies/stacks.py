@@ -349,8 +349,9 @@ class MultiPolicyTrainer:
 
     def _server_metrics(self) -> dict[str, float]:
         """What each policy's rollout replicas did since the last step, for rollout backends with ``stats``
-        (``policy/<name>/rollout/...`` with several policies, ``mas/rollout/...`` with one): ``requests`` and
-        ``weight_updates`` summed over the replicas, and per replica as ``replica<i>/...`` when there are several;
+        (``policy/<name>/rollout/...`` with several policies, ``mas/rollout/...`` with one): ``requests``,
+        ``samples`` (one request of the hf backend carries a whole group) and ``weight_updates`` summed over the
+        replicas, and per replica as ``replica<i>/...`` when there are several;
         and the bytes the weight syncs loaded (``mas/rollout/weight_bytes``)."""
         import ray
 
@@ -367,9 +368,10 @@ class MultiPolicyTrainer:
                     replicas.append(ray.get(handle.stats.remote()))
                 reads[id(stack.server_manager)] = replicas
             replicas = reads[id(stack.server_manager)]
-            # On a shared base the one rollout counts each adapter's requests.
-            key = f"requests:{stack.adapter}" if stack.shares_base else "requests"
-            now = {"requests": [int(r.get(key, 0)) for r in replicas],
+            # On a shared base the one rollout counts each adapter's requests and samples.
+            suffix = f":{stack.adapter}" if stack.shares_base else ""
+            now = {"requests": [int(r.get("requests" + suffix, 0)) for r in replicas],
+                   "samples": [int(r.get("samples" + suffix, 0)) for r in replicas],
                    "weight_updates": [int(r["weight_updates"]) for r in replicas]}
             last = self._last_server_stats.get(name, {k: [0] * len(replicas) for k in now})
             prefix = f"policy/{name}/rollout" if self.mas.multi_policy else "mas/rollout"

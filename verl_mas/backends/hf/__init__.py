@@ -3,7 +3,8 @@
 Selected with ``actor_rollout_ref.rollout.name=hf``. The PyPI vLLM and SGLang wheels are CUDA-only, so
 on a CPU machine (a laptop, CI) this backend stands in for them with the same contract verl's agent
 loops use: ``generate(prompt_ids, sampling_params, request_id) -> TokenOutput`` with the sampled tokens'
-log-probs at the sampling temperature, hybrid weight sync from the actor after every training step, and
+log-probs at the sampling temperature (and, an extension verl passes through, ``n`` samples of one prompt in one
+request: :data:`SAMPLES_KWARG`), hybrid weight sync from the actor after every training step, and
 the lifecycle calls verl makes on hybrid replicas. It is meant for tiny models; GPU users select vLLM or
 SGLang as in stock verl.
 
@@ -34,6 +35,11 @@ from typing import Any
 BACKEND_NAME = "hf"
 #: Dotted path verl's rollout registry imports in the trainer worker.
 ADAPTER_PATH = "verl_mas.backends.hf.adapter.HFServerAdapter"
+#: Grouped sampling: the server's ``generate`` keyword asking for ``n`` samples of one prompt in one request (the mas
+#: agent loop sends each AT-GRPO group this way on this backend: one Ray round trip per group instead of K) ...
+SAMPLES_KWARG = "mas_samples"
+#: ... and the field of the returned ``TokenOutput.extra_fields`` that holds the ``n`` samples (``TokenOutput`` each).
+GROUP_FIELD = "mas_group"
 #: Diagnostic switch: ignore weight updates (see the package docstring).
 FREEZE_WEIGHTS_ENV = "VERL_MAS_HF_ROLLOUT_FREEZE_WEIGHTS"
 

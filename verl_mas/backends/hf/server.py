@@ -6,7 +6,9 @@ into it (hybrid mode). The server wraps a :class:`~verl_mas.backends.hf.engine.H
 answers verl's server contract:
 
 - ``generate(prompt_ids, sampling_params, request_id) -> TokenOutput(token_ids, log_probs,
-  stop_reason, extra_fields={"global_steps": int})``;
+  stop_reason, extra_fields={"global_steps": int})``; with ``mas_samples=n`` (:data:`SAMPLES_KWARG`, which
+  verl's server client passes through) one request returns ``n`` samples of the prompt, decoded in one batch,
+  in ``extra_fields["mas_group"]`` (:data:`GROUP_FIELD`);
 - ``update_weights``, called by the worker-side adapter (:mod:`.adapter`) with the actor's full weights
   after every training step;
 - the lifecycle no-ops verl calls on hybrid replicas (``wake_up``, ``sleep``, ``clear_kv_cache``,
@@ -27,7 +29,7 @@ from verl.workers.rollout.replica import RolloutReplica, TokenOutput
 
 from verl_mas.backends import diagnostic_after
 from verl_mas.backends.counters import REPLICA_FIELD, RequestCounter
-from verl_mas.backends.hf import BACKEND_NAME, FREEZE_WEIGHTS_ENV
+from verl_mas.backends.hf import BACKEND_NAME, FREEZE_WEIGHTS_ENV, GROUP_FIELD
 from verl_mas.backends.hf.engine import HFGenerationEngine, settings_from_verl
 from verl_mas.policies.adapters import rollout_adapters
 from verl_mas.policies.configs import rollout_policy
@@ -89,8 +91,11 @@ class HFRolloutServer:
         image_data: Any = None,
         video_data: Any = None,
         adapter: str | None = None,
+        mas_samples: int = 1,
         **kwargs: Any,
     ) -> Any:
+        if isinstance(mas_samples, bool) or not isinstance(mas_samples, int) or mas_samples < 1:
+            raise ValueError(f"mas_samples={mas_samples!r}: a request asks for a positive number of samples.")
         if image_data is not None or video_data is not None or kwargs.get("audio_data") is not None:
             raise NotImplementedError(
                 "The hf CPU rollout backend serves text-only models; multimodal inputs need vLLM or SGLang "
@@ -104,14 +109,22 @@ class HFRolloutServer:
             max_model_len=self.max_model_len,
             default_ignore_eos=bool(getattr(self.config, "ignore_eos", False)),
         )
-        result = await self.engine.generate([int(t) for t in prompt_ids], settings, adapter=adapter)
-        self.counter.count(adapter)
-        return TokenOutput(
-            token_ids=result.token_ids,
-            log_probs=result.log_probs if settings.want_logprobs else None,
-            stop_reason=result.stop_reason,
-            extra_fields={"global_steps": int(self.global_steps), REPLICA_FIELD: int(self.replica_rank)},
-        )
+        ids = [int(t) for t in prompt_ids]
+        # The n samples queue together, so the engine decodes them in one batch (with whatever else is queued).
+        results = await asyncio.gather(*(self.engine.generate(ids, settings, adapter=adapter) for _ in range(mas_samples)))
+        self.counter.count(adapter, samples=mas_samples)
+        served = {"global_steps": int(self.global_steps), REPLICA_FIELD: int(self.replica_rank)}
+        outputs = [
+            TokenOutput(token_ids=r.token_ids, log_probs=r.log_probs if settings.want_logprobs else None,
+                        stop_reason=r.stop_reason, extra_fields=dict(served))
+            for r in results
+        ]
+        if mas_samples == 1:
+            return outputs[0]
+        # verl's client reads the first sample's fields (global_steps); the group rides along beside them.
+        head = outputs[0]
+        return TokenOutput(token_ids=head.token_ids, log_probs=head.log_probs, stop_reason=head.stop_reason,
+                           extra_fields={**served, GROUP_FIELD: outputs})
 
     async def update_weights(self, named_tensors: list[tuple[str, torch.Tensor]], global_steps: int | None = None) -> int:
         loaded = await asyncio.get_running_loop().run_in_executor(
@@ -135,8 +148,9 @@ class HFRolloutServer:
         return self.engine.num_weight_updates
 
     def stats(self) -> dict[str, int]:
-        """Counters since start: requests served (per adapter on a shared LoRA base: ``requests:<adapter>``),
-        weight updates loaded and their bytes; the trainer logs them per policy and replica."""
+        """Counters since start: requests and samples served (per adapter on a shared LoRA base:
+        ``requests:<adapter>``, ``samples:<adapter>``), weight updates loaded and their bytes; the trainer logs
+        them per policy and replica."""
         return {**self.counter.stats(), "weight_updates": int(self.engine.num_weight_updates),
                 "weight_bytes": int(self.engine.weight_bytes_loaded)}
 

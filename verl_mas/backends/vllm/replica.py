@@ -158,7 +158,8 @@ class PolicyVLLMHttpServer(vLLMHttpServer):
         self.weight_bytes += sync_bytes(answers)
 
     def stats(self) -> dict[str, int]:
-        """Counters since start: requests served (per adapter on a shared LoRA base: ``requests:<adapter>``),
+        """Counters since start: requests served, one sample each (``requests``, ``samples``; per adapter on a shared
+        LoRA base ``requests:<adapter>``, ``samples:<adapter>``),
         weight syncs loaded and their bytes (summed over the server's vLLM workers: with tensor
         parallelism each worker loads the full tensors); the trainer logs them per policy and replica."""
         return {**self.counter.stats(), "weight_updates": int(self.weight_updates),
