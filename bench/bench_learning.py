@@ -20,9 +20,11 @@ for several seeds (the seed sets the tiny model's initialisation, the data order
   independent episodes per task, trajectory groups: the team's 2 roles x K samples per turn).
 
 Held-out team success, before training and after the last step, one candidate per node: greedy and sampled at the
-training temperature. Single-run configurations read verl's validation (``acc_greedy``, ``acc/mean@4``);
-``together``, ``swapped`` and ``alone`` are measured with ``python -m verl_mas.evaluate`` on the same test split
-(greedy, and the mean of 4 sampled passes), from the checkpoints of the last step.
+training temperature; on gridwalk-v0 also every 40 steps, and their mean over the validations after step 0 (``@all``:
+how soon a configuration learns, which the end figure misses once two configurations reach the ceiling). Single-run
+configurations read verl's validation (``acc_greedy``, ``acc/mean@4``); ``together``, ``swapped`` and ``alone`` are
+measured with ``python -m verl_mas.evaluate`` on the same test split (greedy, and the mean of 4 sampled passes), from
+the checkpoints of the last step (``together`` also has its run's validations).
 
 Prints one line per run, then per configuration the mean +- std over seeds, and for each comparison the paired
 difference per seed, its mean, and whether the first configuration is above the second by more than the spread
@@ -64,13 +66,14 @@ from verl_mas.report import held_out, load_metrics
 
 REPO = Path(__file__).resolve().parents[1]
 
-#: Per workflow: its recipe, roles, the single-agent variant (if any), steps, K, turns and answer tokens.
+#: Per workflow: its recipe, roles, the single-agent variant (if any), steps, held-out validations after step 0 (evenly
+#: spaced, the last after the last step), K, turns and answer tokens.
 WORKFLOWS = {
     "relay-v0": {"recipe": REPO / "recipes" / "at_grpo_cpu" / "run.sh", "roles": ("caller", "runner"),
-                 "single": None, "steps": 40, "k": 8, "turns": 4, "tokens": 3,
+                 "single": None, "steps": 40, "validations": 1, "k": 8, "turns": 4, "tokens": 3,
                  "configs": ("at_grpo", "traj_grpo", "parallel")},
     "gridwalk-v0": {"recipe": REPO / "recipes" / "gridwalk_cpu" / "run.sh", "roles": ("scout", "walker"),
-                    "single": "gridwalk-single-v0", "steps": 200, "k": 8, "turns": 6, "tokens": 1,
+                    "single": "gridwalk-single-v0", "steps": 200, "validations": 5, "k": 8, "turns": 6, "tokens": 1,
                     "configs": ("at_grpo", "traj_grpo", "parallel", "together", "alone", "single")},
 }
 #: bench name -> (verl_mas.config.ABLATIONS name, further overrides) for the single-run configurations.
@@ -102,7 +105,10 @@ def _run(recipe: Path, run_dir: Path, seed: int, overrides: list[str], **env_ext
 
 
 def validation(rows: list[dict]) -> dict[str, float]:
-    """Held-out greedy/sampled success at the first and last validation, and training success at the end."""
+    """Held-out greedy/sampled success at every validation (``greedy@<step>``; the first and last also as ``@0`` and
+    ``@end``), their mean over the validations after step 0 when there are several (``@all``: the area under the
+    held-out curve, i.e. how soon a configuration learns, which the end figure misses once both reach the ceiling),
+    and training success at the end."""
     series = held_out(rows)
     greedy = next((v for label, v in series.items() if label.endswith(" greedy")), None)
     sampled = next((v for label, v in series.items() if " sampled " in label), None)
@@ -110,9 +116,22 @@ def validation(rows: list[dict]) -> dict[str, float]:
         raise RuntimeError(f"the run logged held-out series {list(series)} with {[len(v) for v in series.values()]} "
                            "validations; it needs greedy and sampled success before and after training")
     steps = [r for r in rows if "mas/success_rate" in r]
-    return {"greedy@0": greedy[0][1], "greedy@end": greedy[-1][1], "sampled@0": sampled[0][1],
-            "sampled@end": sampled[-1][1], "train end": statistics.fmean(r["mas/success_rate"] for r in steps[-5:]),
-            "step s": statistics.fmean(r.get("timing_s/step", 0.0) for r in steps)}
+    out = {"train end": statistics.fmean(r["mas/success_rate"] for r in steps[-5:]),
+           "step s": statistics.fmean(r.get("timing_s/step", 0.0) for r in steps)}
+    for name, points in (("greedy", greedy), ("sampled", sampled)):
+        out.update({f"{name}@0": points[0][1], f"{name}@end": points[-1][1]})
+        if len(points) > 2:
+            out.update({f"{name}@{int(step)}": value for step, value in points[1:-1]})
+            out[f"{name}@all"] = statistics.fmean(value for _, value in points[1:])
+    return out
+
+
+def curve(figures: dict[str, float], name: str, steps: int) -> list[tuple[int, float]]:
+    """``(step, held-out success)`` at each validation a run's ``figures`` hold for ``name`` (greedy or sampled)."""
+    points = {int(key.split("@")[1]): v for key, v in figures.items()
+              if key.startswith(f"{name}@") and key.split("@")[1].isdigit()}
+    points[steps] = figures[f"{name}@end"]
+    return sorted(points.items())
 
 
 def evaluate(test: Path, roles: dict[str, Path], spec: dict, work: Path) -> dict[str, float]:
@@ -143,7 +162,8 @@ def run_seed(workflow: str, configs: list[str], seed: int, steps: int, k: int, w
     """Run ``configs`` for ``seed``; every figure goes to ``report(name, seed, figures, wall_s)``."""
     spec = WORKFLOWS[workflow]
     recipe, roles = spec["recipe"], spec["roles"]
-    base = [f"trainer.total_training_steps={steps}", f"trainer.test_freq={steps}"]
+    every = steps // spec["validations"] if steps % spec["validations"] == 0 else steps
+    base = [f"trainer.total_training_steps={steps}", f"trainer.test_freq={every}"]
     save = ["mas_policies=per_role_models", f"trainer.save_freq={steps}",
             "actor_rollout_ref.actor.checkpoint.save_contents=[model,optimizer,extra,hf_model]"]
     for name in configs:
@@ -253,10 +273,11 @@ def comparisons(results: dict[str, dict[int, dict[str, float]]]) -> list[dict[st
     seeds on)."""
     out = []
     for first, second in COMPARISONS:
-        seeds = sorted(set(results.get(first, {})) & set(results.get(second, {})))
-        if not seeds:
-            continue
-        for column in ("greedy@end", "sampled@end"):
+        both = sorted(set(results.get(first, {})) & set(results.get(second, {})))
+        for column in ("greedy@end", "sampled@end", "greedy@all", "sampled@all"):
+            seeds = [s for s in both if column in results[first][s] and column in results[second][s]]
+            if not seeds:
+                continue
             a = [results[first][s][column] for s in seeds]
             b = [results[second][s][column] for s in seeds]
             diffs = [x - y for x, y in zip(a, b, strict=True)]
@@ -270,10 +291,15 @@ def comparisons(results: dict[str, dict[int, dict[str, float]]]) -> list[dict[st
 
 
 def summary(results: dict[str, dict[int, dict[str, float]]]) -> str:
-    lines = ["held-out success after training, mean +- std over the recorded seeds:"]
+    lines = ["held-out success after training (@end) and its mean over the validations after step 0 (@all), "
+             "mean +- std over the recorded seeds:"]
     for name, by_seed in results.items():
-        parts = [f"{c} {m:.3f} +- {s:.3f}" for c in ("greedy@end", "sampled@end")
-                 for m, s in [_mean_std([f[c] for f in by_seed.values()])]]
+        parts = []
+        for c in ("greedy@end", "sampled@end", "greedy@all", "sampled@all"):
+            seeds = [seed for seed, f in sorted(by_seed.items()) if c in f]
+            if seeds:
+                m, sd = _mean_std([by_seed[seed][c] for seed in seeds])
+                parts.append(f"{c} {m:.3f} +- {sd:.3f}" + ("" if len(seeds) == len(by_seed) else f" (seeds {seeds})"))
         lines.append(f"{name:>14} (seeds {sorted(by_seed)}): " + ", ".join(parts))
     for c in comparisons(results):
         lines.append(f"{c['first']} - {c['second']} ({c['column']}): per seed (seeds {c['seeds']}) "
@@ -283,24 +309,37 @@ def summary(results: dict[str, dict[int, dict[str, float]]]) -> str:
     return "\n".join(lines)
 
 
-def markdown(results: dict[str, dict[int, dict[str, float]]]) -> str:
+def markdown(results: dict[str, dict[int, dict[str, float]]], steps: int) -> str:
     """The recorded runs as two Markdown tables (per configuration; per comparison), for docs/algorithm.md."""
     def cell(values: list[float]) -> str:
         mean, std = _mean_std(values)
         return f"{mean:.2f} +- {std:.2f} ({', '.join(f'{v:.2f}' for v in values)})"
 
-    lines = ["| configuration | seeds | held-out greedy after | held-out sampled after "
+    def over_training(by_seed: dict[int, dict[str, float]]) -> str:
+        """Mean held-out greedy success over the seeds with the whole curve, at each validation step."""
+        curves = {seed: curve(f, "greedy", steps) for seed, f in sorted(by_seed.items()) if "greedy@all" in f}
+        if not curves:
+            return "-"
+        points = sorted({step for c in curves.values() for step, _ in c})
+        means = [statistics.fmean(dict(c).get(step, float("nan")) for c in curves.values()) for step in points]
+        return " / ".join(f"{m:.2f}" for m in means) + f" (steps {', '.join(map(str, points))}; seeds " \
+            f"{', '.join(map(str, curves))})"
+
+    lines = ["| configuration | seeds | held-out greedy after | held-out sampled after | held-out greedy over training "
              "| training success, last 5 steps |",
-             "|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|"]
     for name, by_seed in results.items():
         seeds = sorted(by_seed)
         train = [by_seed[s]["train end"] for s in seeds if "train end" in by_seed[s]]
         lines.append(f"| {name} | {', '.join(map(str, seeds))} | {cell([by_seed[s]['greedy@end'] for s in seeds])} | "
-                     f"{cell([by_seed[s]['sampled@end'] for s in seeds])} | {cell(train) if train else '-'} |")
+                     f"{cell([by_seed[s]['sampled@end'] for s in seeds])} | {over_training(by_seed)} | "
+                     f"{cell(train) if train else '-'} |")
     lines += ["", "| comparison | held-out | per seed | mean | spread | above by more than the spread |",
               "|---|---|---|---|---|---|"]
     for c in comparisons(results):
-        lines.append(f"| {c['first']} - {c['second']} | {c['column'].split('@')[0]} | "
+        kind, when = c["column"].split("@")
+        label = kind + (", mean over validations" if when == "all" else ", after")
+        lines.append(f"| {c['first']} - {c['second']} | {label} (seeds {', '.join(map(str, c['seeds']))}) | "
                      + ", ".join(f"{d:+.2f}" for d in c["diffs"])
                      + f" | {c['mean']:+.2f} | {c['spread']:.2f} | {c['verdict']} |")
     return "\n".join(lines)
@@ -330,7 +369,7 @@ def main() -> None:
                                                                        if other else ""))
     if args.summary:
         print(series)
-        print(markdown(recorded) if args.markdown else summary(recorded))
+        print(markdown(recorded, steps) if args.markdown else summary(recorded))
         return
 
     work = Path(tempfile.mkdtemp(prefix="verl_mas_bench_learning_"))
