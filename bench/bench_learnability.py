@@ -141,7 +141,7 @@ class VerlUpdate:
     @staticmethod
     def overrides(model_path: str, *, lr: float, weight_decay: float, clip_grad: float,
                   entropy_coeff: float = 0.0, schedule: str = "constant", min_lr_ratio: float = 0.0,
-                  steps: int = -1) -> list[str]:
+                  steps: int = -1, beta2: float = 0.999) -> list[str]:
         """verl's ``ppo_trainer`` config with the CPU recipe's actor settings (recipes/at_grpo_cpu/at_grpo_cpu.yaml).
 
         ``schedule`` is verl's ``actor.optim.lr_scheduler_type``; verl's worker steps it once per ``update_actor``
@@ -162,6 +162,7 @@ class VerlUpdate:
             "actor_rollout_ref.rollout.n=1",
             f"actor_rollout_ref.actor.optim.lr={lr}",
             f"actor_rollout_ref.actor.optim.weight_decay={weight_decay}",
+            f"actor_rollout_ref.actor.optim.betas=[0.9,{beta2}]",
             f"actor_rollout_ref.actor.optim.clip_grad={clip_grad}",
             f"actor_rollout_ref.actor.entropy_coeff={entropy_coeff}",
             "actor_rollout_ref.actor.use_kl_loss=false",
@@ -308,6 +309,9 @@ def main() -> None:
     parser.add_argument("--minibatches", type=int, default=2, help="PPO mini-batches per step")
     parser.add_argument("--weight-decay", type=float, default=0.0,
                         help="AdamW's decoupled weight decay (verl's actor default: 0.01); 0: plain Adam")
+    parser.add_argument("--beta2", type=float, default=0.999,
+                        help="Adam's second-moment decay (verl's actor.optim.betas[1]: 0.999); lower forgets the "
+                             "gradient scale of a long flat stretch sooner")
     parser.add_argument("--clip-grad", type=float, default=1.0,
                         help="the gradient-norm clip before each optimiser step (verl's actor.optim.clip_grad: 1.0)")
     parser.add_argument("--lr-schedule", choices=("constant", "cosine"), default="constant",
@@ -359,13 +363,15 @@ def main() -> None:
     if args.update == "verl":
         step_update = VerlUpdate(model, tokenizer, lr=args.lr, weight_decay=args.weight_decay,
                                  clip_grad=args.clip_grad, entropy_coeff=args.entropy_coeff,
-                                 schedule=args.lr_schedule, min_lr_ratio=args.min_lr_ratio, steps=args.steps)
+                                 schedule=args.lr_schedule, min_lr_ratio=args.min_lr_ratio, steps=args.steps,
+                                 beta2=args.beta2)
         current_lr = step_update.lr
     else:
         from verl.utils.torch_functional import get_constant_schedule_with_warmup, get_cosine_schedule_with_warmup
 
-        optim = (torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
-                 if args.weight_decay else torch.optim.Adam(model.parameters(), lr=args.lr))
+        betas = (0.9, args.beta2)
+        optim = (torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=betas)
+                 if args.weight_decay else torch.optim.Adam(model.parameters(), lr=args.lr, betas=betas))
         # verl's schedules, stepped as verl's worker steps them: once a training step
         scheduler = (get_cosine_schedule_with_warmup(optim, 0, args.steps, min_lr_ratio=args.min_lr_ratio)
                      if args.lr_schedule == "cosine" else get_constant_schedule_with_warmup(optim, 0))
