@@ -72,6 +72,17 @@ def _make_loop(tiny_model_dir: Path, mas_block: dict, *, rollout: dict | None = 
     return loop, client, engine
 
 
+def _assert_logprobs_are_the_models(engine: HFGenerationEngine, out) -> None:
+    """``out``'s rollout log-probs are its sampled tokens' log-probs under the model (one full forward pass)."""
+    ids = torch.tensor([out.prompt_ids + out.response_ids])
+    with torch.no_grad():
+        logits = engine.model(input_ids=ids).logits[0]
+    n = len(out.prompt_ids)
+    ref = torch.log_softmax(logits[n - 1 : n - 1 + len(out.response_ids)], -1).gather(
+        1, torch.tensor(out.response_ids)[:, None])[:, 0]
+    assert torch.allclose(torch.tensor(out.response_logprobs), ref, atol=1e-5)
+
+
 SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "repetition_penalty": 1.0, "logprobs": True}
 
 
@@ -102,14 +113,7 @@ async def test_one_output_per_candidate_with_consistent_masks_logprobs_and_group
         assert len({m.extra_fields["mas_prompt_hash"] for m in members}) == 1
         assert sum(m.extra_fields["mas_committed"] for m in members) == 1
     # The rollout log-probs are the sampled tokens' log-probs under the model (one full forward pass).
-    out = outputs[0]
-    ids = torch.tensor([out.prompt_ids + out.response_ids])
-    with torch.no_grad():
-        logits = engine.model(input_ids=ids).logits[0]
-    n = len(out.prompt_ids)
-    ref = torch.log_softmax(logits[n - 1 : n - 1 + len(out.response_ids)], -1).gather(
-        1, torch.tensor(out.response_ids)[:, None])[:, 0]
-    assert torch.allclose(torch.tensor(out.response_logprobs), ref, atol=1e-5)
+    _assert_logprobs_are_the_models(engine, outputs[0])
     # Every output carries the same field names (verl's multi-output schema comes from the first one).
     assert len({tuple(sorted(o.extra_fields)) for o in outputs}) == 1
 
@@ -430,13 +434,7 @@ async def test_on_the_hf_backend_a_group_is_one_request_of_k_samples(tiny_model_
     assert all(sum(m.extra_fields["mas_committed"] for m in members) == 1 for members in groups.values())
     # Every sample's log-probs are its own tokens' under the model (the samples were not mixed up in the group).
     for out in outputs:
-        ids_ = torch.tensor([out.prompt_ids + out.response_ids])
-        with torch.no_grad():
-            logits = engine.model(input_ids=ids_).logits[0]
-        n = len(out.prompt_ids)
-        ref = torch.log_softmax(logits[n - 1 : n - 1 + len(out.response_ids)], -1).gather(
-            1, torch.tensor(out.response_ids)[:, None])[:, 0]
-        assert torch.allclose(torch.tensor(out.response_logprobs), ref, atol=1e-5)
+        _assert_logprobs_are_the_models(engine, out)
     # Negative control: a server that answers a group with fewer samples than asked stops the run (not a model mistake).
     short, _, _ = _make_loop(tiny_model_dir, {"branching": 3, "max_turns": 2}, rollout={"name": "hf"},
                              client=ServerClient(tiny_model_dir, keep=2))
