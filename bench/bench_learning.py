@@ -218,9 +218,11 @@ RECORDS = {"together": ("together", "swapped"), "alone": ("scout alone", "walker
 
 
 def _commit() -> str:
-    """The checkout's commit, ``+dirty`` when tracked files differ from it."""
+    """The checkout's commit, ``+dirty`` when tracked code or recipe files differ from it (not the recorded results,
+    which the runs of a series append to while the next ones start)."""
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
-    dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "verl_mas", "recipes", "bench"], cwd=REPO)
+    dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "verl_mas", "recipes", "bench",
+                            ":(exclude)bench/results"], cwd=REPO)
     return (head.stdout.strip() or "unknown") + ("+dirty" if dirty.returncode else "")
 
 
