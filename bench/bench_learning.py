@@ -37,12 +37,22 @@ same workflow, configuration, seed, steps, K and settings is not run again
 over several invocations. ``--summary`` prints the summary alone. The per-role runs of ``alone`` are recorded as
 ``scout alone`` / ``walker alone``: their own validation, i.e. that role trained beside a frozen partner.
 
+Every run saves a checkpoint every 20 steps (``--checkpoint-every``). A run stopped part-way (the machine taken back,
+the process killed) resumes from its last checkpoint when the benchmark is invoked again with the same ``--work``
+folder (verl's ``trainer.resume_mode=auto``: weights, optimiser, data loader position; at an epoch boundary verl
+restarts the data order); the steps it had run past that checkpoint are run again, and its metrics are stitched
+from its parts. Its record names the steps it resumed from (``resumed_from``). Runs of one seed are not
+bit-reproducible through ``main_ppo`` in any case: two unbroken 4-step runs of seed 0 already differ at step 1 (the
+scout's mean reward -0.068 and -0.083), so a resumed run is one more sample of its seed's settings.
+
 Usage::
 
     python bench/bench_learning.py                           # relay-v0: at_grpo traj_grpo parallel, 40 steps, 3 seeds
     python bench/bench_learning.py --workflow gridwalk-v0     # every comparison, 200 steps, 3 seeds
     python bench/bench_learning.py --workflow gridwalk-v0 --configs at_grpo parallel --seeds 0 --steps 50
     python bench/bench_learning.py --workflow gridwalk-v0 --summary [--markdown]   # the recorded runs, nothing run
+    python bench/bench_learning.py --workflow gridwalk-v0 --configs parallel --seeds 1 --work runs/bench_w1  # stop it,
+    python bench/bench_learning.py --workflow gridwalk-v0 --configs parallel --seeds 1 --work runs/bench_w1  # resumed
 
 Measured figures: ``recipes/at_grpo_cpu/README.md`` (relay-v0), ``docs/algorithm.md`` (gridwalk-v0).
 """
@@ -91,17 +101,86 @@ COMPARISONS = (("at_grpo", "traj_grpo"), ("at_grpo", "parallel"), ("at_grpo", "t
 SAMPLED_PASSES = 4
 
 
-def _run(recipe: Path, run_dir: Path, seed: int, overrides: list[str], **env_extra: str) -> tuple[list[dict], float]:
-    env = {key: v for key, v in os.environ.items() if not key.startswith("VERL_")}
-    env.update(PYTHON=sys.executable, VERL_MAS_RUN_DIR=str(run_dir), MODEL_SEED=str(seed), **env_extra)
-    seeded = ["trainer.val_before_train=true", f"data.seed={seed}", f"actor_rollout_ref.actor.data_loader_seed={seed}",
-              f"actor_rollout_ref.rollout.seed={seed}", "mas.record.dir=null"]
-    start = time.perf_counter()
-    proc = subprocess.run(["bash", str(recipe), *seeded, *overrides], env=env, capture_output=True, text=True,
-                          cwd=run_dir.parent)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{run_dir.name} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
-    return load_metrics(run_dir / "metrics.jsonl"), time.perf_counter() - start
+#: Every run saves a checkpoint this often (``--checkpoint-every``; and at its last step); invoked again with the same
+#: ``--work`` folder, the benchmark resumes a run stopped before its last step (a machine taken back, a session ended)
+#: from there.
+CHECKPOINT_EVERY = 20
+#: A run folder's record of its parts: one entry per launch of main_ppo (``from_step``: the checkpoint it resumed
+#: from, 0 for a fresh start; ``steps``: the run's; ``metrics``: the file verl's logger wrote; ``started``; ``wall_s``
+#: once known).
+PARTS = "bench_parts.json"
+
+
+def _latest_checkpoint(run_dir: Path) -> int:
+    """The step of the run's last complete checkpoint (verl writes the marker file last), 0 when it has none."""
+    marker = run_dir / "checkpoints" / "latest_checkpointed_iteration.txt"
+    return int(marker.read_text().strip()) if marker.exists() else 0
+
+
+def _fresh_start(parts: list[dict[str, Any]]) -> int:
+    """The index of the last part that started from scratch."""
+    return max(i for i, part in enumerate(parts) if part["from_step"] == 0)
+
+
+def stitch(parts: list[dict[str, Any]], run_dir: Path) -> list[dict]:
+    """The metrics of a run launched in ``parts``: from each part the steps after the checkpoint it resumed from up to
+    the one the next part resumed from (the steps a stopped part ran past its last checkpoint were run again), step 0
+    (the validation before training) from the first; one row per step, in step order. A part that started from step
+    0 (stopped before the first checkpoint) is the run's start: the parts before it are left out."""
+    parts = parts[_fresh_start(parts):]
+    rows: list[dict] = []
+    for i, part in enumerate(parts):
+        upto = parts[i + 1]["from_step"] if i + 1 < len(parts) else float("inf")
+        path = run_dir / part["metrics"]
+        if not path.exists() or not path.read_text().strip():
+            continue  # stopped before its first logged step
+        rows += [row for row in load_metrics(path)
+                 if (row["step"] > part["from_step"] or (i == 0 and row["step"] == 0)) and row["step"] <= upto]
+    steps = [row["step"] for row in rows]
+    if len(set(steps)) != len(steps) or steps != sorted(steps):
+        raise RuntimeError(f"{run_dir}: the parts {parts} give steps {steps}, not one row per step in order")
+    return rows
+
+
+def _run(recipe: Path, run_dir: Path, seed: int, steps: int, overrides: list[str], *,
+         checkpoint_every: int = CHECKPOINT_EVERY, **env_extra: str) -> tuple[list[dict], float, list[int]]:
+    """Run ``recipe`` for ``steps`` steps in ``run_dir`` (resuming it from its last checkpoint when an earlier
+    invocation was stopped; not at all when one finished it): its metrics (:func:`stitch`), its wall time (the sum of
+    its parts since its start, a stopped part's up to its last logged step) and the steps it was resumed from."""
+    parts_file = run_dir / PARTS
+    parts = json.loads(parts_file.read_text()) if parts_file.exists() else []
+    start_step = _latest_checkpoint(run_dir)
+    other = sorted({part["steps"] for part in parts} - {steps})
+    if other or (start_step and not parts):
+        raise RuntimeError(f"{run_dir} holds " + (f"a run of {other} steps" if other else
+                           f"a checkpoint at step {start_step} that no earlier invocation of this benchmark made") +
+                           f", not one of {steps} steps to resume: give this run a new --work folder")
+    if parts and "wall_s" not in parts[-1]:  # the last launch was stopped: up to its last logged step
+        logged = run_dir / parts[-1]["metrics"]
+        parts[-1]["wall_s"] = max(0.0, logged.stat().st_mtime - parts[-1]["started"]) if logged.exists() else 0.0
+    if start_step < steps:
+        if parts:  # verl's logger truncates metrics.jsonl: keep the earlier part's aside
+            parts[-1]["metrics"] = f"metrics.part{len(parts) - 1}.jsonl"
+            if (run_dir / "metrics.jsonl").exists():
+                (run_dir / "metrics.jsonl").rename(run_dir / parts[-1]["metrics"])
+        env = {key: v for key, v in os.environ.items() if not key.startswith("VERL_")}
+        env.update(PYTHON=sys.executable, VERL_MAS_RUN_DIR=str(run_dir), MODEL_SEED=str(seed), **env_extra)
+        seeded = [f"trainer.val_before_train={str(start_step == 0).lower()}", f"data.seed={seed}",
+                  f"actor_rollout_ref.actor.data_loader_seed={seed}", f"actor_rollout_ref.rollout.seed={seed}",
+                  "mas.record.dir=null", f"trainer.total_training_steps={steps}",
+                  f"trainer.save_freq={checkpoint_every or steps}", "trainer.resume_mode=auto"]
+        parts.append({"from_step": start_step, "steps": steps, "metrics": "metrics.jsonl", "started": time.time()})
+        run_dir.mkdir(parents=True, exist_ok=True)
+        parts_file.write_text(json.dumps(parts))
+        proc = subprocess.run(["bash", str(recipe), *seeded, *overrides], env=env, capture_output=True, text=True,
+                              cwd=run_dir.parent)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{run_dir.name} failed (exit {proc.returncode}; run the benchmark again with --work "
+                               f"{run_dir.parent} to resume it from its last checkpoint):\n{proc.stderr[-3000:]}")
+        parts[-1]["wall_s"] = time.time() - parts[-1]["started"]
+        parts_file.write_text(json.dumps(parts))
+    used = parts[_fresh_start(parts):]
+    return stitch(parts, run_dir), sum(part["wall_s"] for part in used), [part["from_step"] for part in used[1:]]
 
 
 def validation(rows: list[dict]) -> dict[str, float]:
@@ -158,48 +237,50 @@ def _hf(run_dir: Path, steps: int, position: int, role: str) -> Path:
 
 
 def run_seed(workflow: str, configs: list[str], seed: int, steps: int, k: int, work: Path,
-             report) -> None:
-    """Run ``configs`` for ``seed``; every figure goes to ``report(name, seed, figures, wall_s)``."""
+             report, checkpoint_every: int = CHECKPOINT_EVERY) -> None:
+    """Run ``configs`` for ``seed`` in ``work``; every figure goes to ``report(name, seed, figures, wall_s, resumed)``
+    (``resumed``: the steps a run was resumed from, see :func:`_run`)."""
     spec = WORKFLOWS[workflow]
     recipe, roles = spec["recipe"], spec["roles"]
     every = steps // spec["validations"] if steps % spec["validations"] == 0 else steps
-    base = [f"trainer.total_training_steps={steps}", f"trainer.test_freq={every}"]
-    save = ["mas_policies=per_role_models", f"trainer.save_freq={steps}",
+    base = [f"trainer.test_freq={every}"]
+    save = ["mas_policies=per_role_models",  # the transformers models too: python -m verl_mas.evaluate loads them
             "actor_rollout_ref.actor.checkpoint.save_contents=[model,optimizer,extra,hf_model]"]
+
+    def run(run_name: str, overrides: list[str], workflow_id: str = workflow) -> tuple[list[dict], float, list[int]]:
+        return _run(recipe, work / run_name, seed, steps, [*base, *overrides, f"trainer.experiment_name={run_name}"],
+                    checkpoint_every=checkpoint_every, WORKFLOW=workflow_id)
+
     for name in configs:
         if name in ABLATION_CONFIGS:
             ablation_name, extra = ABLATION_CONFIGS[name]
-            rows, wall = _run(recipe, work / f"{name}-seed{seed}", seed, [*base, *ablation(ablation_name, k), *extra,
-                              f"trainer.experiment_name={name}-seed{seed}"], WORKFLOW=workflow)
-            report(name, seed, validation(rows), wall)
+            rows, wall, resumed = run(f"{name}-seed{seed}", [*ablation(ablation_name, k), *extra])
+            report(name, seed, validation(rows), wall, resumed)
         elif name == "together":
             run_dir = work / f"together-seed{seed}"
-            rows, wall = _run(recipe, run_dir, seed, [*base, *ablation("at_grpo", k), *save,
-                              f"trainer.experiment_name=together-seed{seed}"], WORKFLOW=workflow)
+            rows, wall, resumed = run(run_dir.name, [*ablation("at_grpo", k), *save])
             models = {role: _hf(run_dir, steps, i, role) for i, role in enumerate(roles)}
             test = run_dir / "data" / "test.parquet"
-            report("together", seed, {**validation(rows), **evaluate(test, models, spec, work)}, wall)
+            report("together", seed, {**validation(rows), **evaluate(test, models, spec, work)}, wall, resumed)
             swapped = dict(zip(roles, reversed(list(models.values())), strict=True))
-            report("swapped", seed, evaluate(test, swapped, spec, work), 0.0)
+            report("swapped", seed, evaluate(test, swapped, spec, work), 0.0, resumed)
         elif name == "alone":
-            models, wall = {}, 0.0
+            models, wall, resumed = {}, 0.0, []
             for i, role in enumerate(roles):
-                run_dir = work / f"alone-{role}-seed{seed}"
                 frozen = [f"+mas.policies.{other}.actor.optim.lr=0.0" for other in roles if other != role]
-                rows, w = _run(recipe, run_dir, seed, [*base, *ablation("at_grpo", k), *save, *frozen,
-                               f"trainer.experiment_name=alone-{role}-seed{seed}"], WORKFLOW=workflow)
+                rows, w, r = run(f"alone-{role}-seed{seed}", [*ablation("at_grpo", k), *save, *frozen])
                 wall += w
-                models[role] = _hf(run_dir, steps, i, role)
-                report(f"{role} alone", seed, validation(rows), w)
+                resumed += r
+                models[role] = _hf(work / f"alone-{role}-seed{seed}", steps, i, role)
+                report(f"{role} alone", seed, validation(rows), w, r)
             test = work / f"alone-{roles[0]}-seed{seed}" / "data" / "test.parquet"
-            report("alone", seed, evaluate(test, models, spec, work), wall)
+            report("alone", seed, evaluate(test, models, spec, work), wall, resumed)
         elif name == "single":
             if not spec["single"]:
                 raise SystemExit(f"{workflow} has no single-agent variant")
             # GRPO on one agent: 2K independent episodes per task (the team samples K per role and turn).
-            rows, wall = _run(recipe, work / f"single-seed{seed}", seed, [*base, *ablation("trajectory_grpo", 2 * k),
-                              f"trainer.experiment_name=single-seed{seed}"], WORKFLOW=spec["single"])
-            report("single", seed, validation(rows), wall)
+            rows, wall, resumed = run(f"single-seed{seed}", ablation("trajectory_grpo", 2 * k), spec["single"])
+            report("single", seed, validation(rows), wall, resumed)
 
 
 def _mean_std(values: list[float]) -> tuple[float, float]:
@@ -361,6 +442,12 @@ def main() -> None:
     parser.add_argument("--rerun", action="store_true", help="run configurations already recorded again")
     parser.add_argument("--summary", action="store_true", help="only print the summary of the recorded runs")
     parser.add_argument("--markdown", action="store_true", help="with --summary: as Markdown tables")
+    parser.add_argument("--work", type=Path, default=None,
+                        help="the folder the runs are made in (default: a new temporary one); given the folder of an "
+                             "earlier invocation that was stopped, its runs resume from their last checkpoint (every "
+                             "--checkpoint-every steps) and a finished run that was not recorded is not run again")
+    parser.add_argument("--checkpoint-every", type=int, default=CHECKPOINT_EVERY,
+                        help=f"steps between a run's checkpoints (default {CHECKPOINT_EVERY}; 0: at the last step only)")
     args = parser.parse_args()
     spec = WORKFLOWS[args.workflow]
     steps, k, configs = args.steps or spec["steps"], args.k or spec["k"], args.configs or list(spec["configs"])
@@ -374,7 +461,11 @@ def main() -> None:
         print(markdown(recorded, steps) if args.markdown else summary(recorded))
         return
 
-    work = Path(tempfile.mkdtemp(prefix="verl_mas_bench_learning_"))
+    if args.work is not None and args.rerun and args.work.exists() and any(args.work.iterdir()):
+        raise SystemExit(f"--rerun runs the configurations again from scratch, but --work {args.work} holds earlier "
+                         "runs, which would be resumed or taken as they are: give --rerun a new --work folder")
+    work = args.work.resolve() if args.work is not None else Path(tempfile.mkdtemp(prefix="verl_mas_bench_learning_"))
+    work.mkdir(parents=True, exist_ok=True)
     print(f"{series}. Seeds {args.seeds}, runs in {work}", flush=True)
     if args.workflow == "gridwalk-v0":
         from verl_mas.data import draw_splits
@@ -389,12 +480,15 @@ def main() -> None:
     commit = _commit()
     args.results.parent.mkdir(parents=True, exist_ok=True)
 
-    def report(name: str, seed: int, figures: dict[str, float], wall: float) -> None:
+    def report(name: str, seed: int, figures: dict[str, float], wall: float, resumed: list[int]) -> None:
         cells = " | ".join(f"{figures[c]:>11.3f}" if c in figures else f"{'-':>11}" for c in columns)
-        print(f"{name:>14} | {seed:>4} | {cells} | {wall:>5.0f}s", flush=True)
+        print(f"{name:>14} | {seed:>4} | {cells} | {wall:>5.0f}s" + (f" (resumed at {resumed})" if resumed else ""),
+              flush=True)
         record = {"workflow": args.workflow, "config": name, "seed": seed, "steps": steps, "k": k,
                   "settings": settings, "figures": figures, "wall_s": round(wall, 1), "commit": commit,
                   "date": time.strftime("%Y-%m-%d", time.gmtime())}
+        if resumed:  # its sampling and data order after each of these steps are not an unbroken run's
+            record["resumed_from"] = resumed
         with args.results.open("a") as f:
             f.write(json.dumps(record) + "\n")
         recorded.setdefault(name, {})[seed] = figures
@@ -405,7 +499,7 @@ def main() -> None:
             if c not in todo:
                 print(f"{c:>14} | {seed:>4} | recorded in {args.results.name}", flush=True)
         if todo:
-            run_seed(args.workflow, todo, seed, steps, k, work, report)
+            run_seed(args.workflow, todo, seed, steps, k, work, report, args.checkpoint_every)
     print()
     print(summary(recorded))
 

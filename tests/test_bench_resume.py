@@ -1,0 +1,116 @@
+"""bench/bench_learning.py resumes a stopped run from its last checkpoint and stitches its metrics.
+
+Its runs take hours on 2 cores; a machine taken back mid-run must not cost the run. The recipe here is a short
+bash script that behaves as ``main_ppo`` does towards the benchmark (verl's file logger truncates
+``metrics.jsonl`` at start; a checkpoint every ``trainer.save_freq`` steps and at the last, its step written to
+``checkpoints/latest_checkpointed_iteration.txt`` last; training resumes after the latest one; the validation
+before training only with ``trainer.val_before_train=true``), and can be told to fail after a given step, which
+leaves the run folder as a stopped machine does. That verl itself resumes so is checked by
+tests/test_main_ppo_policies.py (per-role models resumed on another cluster).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("bench_learning", REPO / "bench" / "bench_learning.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+bench = _bench()
+
+# Arguments as main_ppo reads them; every logged row names the launch ("part") that wrote it.
+RECIPE = r"""#!/usr/bin/env bash
+set -euo pipefail
+run="$VERL_MAS_RUN_DIR"; mkdir -p "$run/checkpoints"
+for a in "$@"; do case "$a" in
+  trainer.total_training_steps=*) total="${a#*=}";; trainer.save_freq=*) every="${a#*=}";;
+  trainer.val_before_train=*) val="${a#*=}";; trainer.resume_mode=*) mode="${a#*=}";; esac; done
+[ "$mode" = auto ] || exit 3
+marker="$run/checkpoints/latest_checkpointed_iteration.txt"
+start=0; [ -f "$marker" ] && start=$(cat "$marker")
+if [ "$val" = true ] && (( start > 0 )); then echo "a resumed run validated before training" >&2; exit 4; fi
+part=$(cat "$run/launches" 2>/dev/null || echo 0); echo $((part + 1)) > "$run/launches"
+: > "$run/metrics.jsonl"
+if [ "$val" = true ]; then echo "{\"step\": $start, \"data\": {\"val\": 1, \"part\": $part}}" >> "$run/metrics.jsonl"; fi
+for ((s = start + 1; s <= total; s++)); do
+  echo "{\"step\": $s, \"data\": {\"part\": $part}}" >> "$run/metrics.jsonl"
+  if (( s % every == 0 || s == total )); then echo $s > "$marker"; fi
+  if [ -n "${FAIL_AFTER:-}" ] && (( s == FAIL_AFTER )); then echo "stopped at step $s" >&2; exit 1; fi
+done
+"""
+
+
+@pytest.fixture
+def recipe(tmp_path: Path) -> Path:
+    path = tmp_path / "recipe.sh"
+    path.write_text(RECIPE)
+    return path
+
+
+def _origin(rows: list[dict]) -> list[tuple[int, int]]:
+    return [(int(r["step"]), int(r["part"])) for r in rows]
+
+
+def test_a_stopped_run_resumes_from_its_last_checkpoint_and_its_metrics_are_stitched(
+        recipe: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    run_dir = tmp_path / "work" / "at_grpo-seed0"
+    run_dir.parent.mkdir()
+    # Stopped after step 7 (checkpoint at 4), then after step 10 (checkpoint at 8), then to the end (12).
+    for fail_after in (7, 10):
+        monkeypatch.setenv("FAIL_AFTER", str(fail_after))
+        with pytest.raises(RuntimeError, match=f"resume it(.|\n)*stopped at step {fail_after}"):
+            bench._run(recipe, run_dir, 0, 12, [], checkpoint_every=4)
+    monkeypatch.delenv("FAIL_AFTER")
+    rows, wall, resumed = bench._run(recipe, run_dir, 0, 12, [], checkpoint_every=4)
+    # Steps 0-4 from the first launch, 5-8 from the second (its 9-10 ran past its last checkpoint), 9-12 from the
+    # third; the validation before training only in the first.
+    assert _origin(rows) == [(0, 0), (1, 0), (2, 0), (3, 0), (4, 0), (5, 1), (6, 1), (7, 1), (8, 1),
+                             (9, 2), (10, 2), (11, 2), (12, 2)]
+    assert [r.get("val") for r in rows] == [1] + [None] * 12
+    assert resumed == [4, 8]
+    parts = json.loads((run_dir / bench.PARTS).read_text())
+    assert [(p["from_step"], p["metrics"]) for p in parts] == [
+        (0, "metrics.part0.jsonl"), (4, "metrics.part1.jsonl"), (8, "metrics.jsonl")]
+    assert all(p["wall_s"] >= 0 for p in parts) and wall == pytest.approx(sum(p["wall_s"] for p in parts))
+    # Invoked again: finished, so nothing is launched and the same metrics come back.
+    again = bench._run(recipe, run_dir, 0, 12, [], checkpoint_every=4)
+    assert (run_dir / "launches").read_text().strip() == "3"
+    assert _origin(again[0]) == _origin(rows) and again[2] == [4, 8]
+    # Its folder is not taken for a run of other steps (its metrics would pass for that run's).
+    with pytest.raises(RuntimeError, match=r"holds a run of \[12\] steps, not one of 8 steps"):
+        bench._run(recipe, run_dir, 0, 8, [], checkpoint_every=4)
+
+
+def test_a_run_stopped_before_its_first_checkpoint_starts_again_with_its_validation(
+        recipe: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    run_dir = tmp_path / "single-seed1"
+    monkeypatch.setenv("FAIL_AFTER", "3")
+    with pytest.raises(RuntimeError):
+        bench._run(recipe, run_dir, 1, 8, [], checkpoint_every=4)
+    monkeypatch.delenv("FAIL_AFTER")
+    rows, _, resumed = bench._run(recipe, run_dir, 1, 8, [], checkpoint_every=4)
+    assert _origin(rows) == [(s, 1) for s in range(9)] and rows[0]["val"] == 1
+    assert resumed == []  # a new start, not a resumption
+
+
+def test_stitching_refuses_parts_that_do_not_give_one_row_per_step(tmp_path: Path) -> None:
+    for name, steps in (("a.jsonl", range(0, 9)), ("b.jsonl", range(9, 12)), ("c.jsonl", range(5, 12))):
+        (tmp_path / name).write_text("".join(json.dumps({"step": s, "data": {}}) + "\n" for s in steps))
+    good = [{"from_step": 0, "metrics": "a.jsonl"}, {"from_step": 8, "metrics": "b.jsonl"}]
+    assert [r["step"] for r in bench.stitch(good, tmp_path)] == list(range(12))
+    # A later part that claims to resume from an earlier step than the one before it (a broken marker).
+    backwards = [{"from_step": 0, "metrics": "a.jsonl"}, {"from_step": 8, "metrics": "b.jsonl"},
+                 {"from_step": 4, "metrics": "c.jsonl"}]
+    with pytest.raises(RuntimeError, match="not one row per step in order"):
+        bench.stitch(backwards, tmp_path)
