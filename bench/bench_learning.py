@@ -132,7 +132,7 @@ def stitch(parts: list[dict[str, Any]], run_dir: Path) -> list[dict]:
     for i, part in enumerate(parts):
         upto = parts[i + 1]["from_step"] if i + 1 < len(parts) else float("inf")
         path = run_dir / part["metrics"]
-        if not path.exists() or not path.read_text().strip():
+        if not path.exists() or path.stat().st_size == 0:
             continue  # stopped before its first logged step
         rows += [row for row in load_metrics(path)
                  if (row["step"] > part["from_step"] or (i == 0 and row["step"] == 0)) and row["step"] <= upto]
