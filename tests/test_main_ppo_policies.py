@@ -260,7 +260,7 @@ def test_three_lora_adapters_on_one_base_train_at_two_ranks_with_two_replicas_sy
     reaches both replicas and sends adapter tensors only; both ranks write their shards and resume from them.
 
     ``mas.alpha=0``: the runner's reward is its team term only, so its every group is flat and its adapter must not
-    move, while the caller's and the courier's (local rewards) must."""
+    move, while the caller's and the courier's (local rewards) move whenever they have signal."""
     from peft import PeftModel
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
@@ -306,8 +306,11 @@ def test_three_lora_adapters_on_one_base_train_at_two_ranks_with_two_replicas_sy
             assert d["mas/rollout/weight_bytes"] == DP * len(CHAIN) * adapter_bytes
             for policy in CHAIN:
                 assert [d[f"policy/{policy}/rollout/replica{r}/weight_updates"] for r in range(DP)] == [1.0] * DP
-    assert max(m["data"]["policy/caller/actor/grad_norm"] for m in steps) > 0
-    assert max(m["data"]["policy/courier/actor/grad_norm"] for m in steps) > 0
+    # The caller's and the courier's signal is chance: a random tiny model names the right word in ~1 % of samples
+    # (one token of 82), so 128 samples of a role's step may hold none. At least one of them had some (each misses
+    # both steps with ~5 % odds), and a policy's adapter moved exactly when it had.
+    moved = {p: max(m["data"][f"policy/{p}/actor/grad_norm"] for m in steps) > 0 for p in ("caller", "courier")}
+    assert any(moved.values()), moved
 
     ckpt = run_dir / "checkpoints" / "global_step_2" / "actor"
     # One checkpoint for all policies (one module), each adapter also on its own in the PEFT format.
@@ -325,7 +328,8 @@ def test_three_lora_adapters_on_one_base_train_at_two_ranks_with_two_replicas_sy
     # B starts at zero: the runner's adapter (zero advantage) is still zero, the caller's and the courier's are not.
     assert all(torch.count_nonzero(v) == 0 for k, v in adapters["runner"].items() if "lora_B" in k)
     for policy in ("caller", "courier"):
-        assert sum(int(torch.count_nonzero(v)) for k, v in adapters[policy].items() if "lora_B" in k) > 0
+        assert (sum(int(torch.count_nonzero(v)) for k, v in adapters[policy].items() if "lora_B" in k) > 0) == \
+            moved[policy], policy
     peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(run_dir / "model"),
                                            str(ckpt / "adapters" / "caller"))
     assert peft_model.peft_config["default"].r == 8
@@ -335,8 +339,10 @@ def test_three_lora_adapters_on_one_base_train_at_two_ranks_with_two_replicas_sy
     # the zero-variance groups (mas.drop_zero_variance): a policy without signal takes no optimiser step at all
     # (Adam would still move it on zero gradients through its momentum): its count stays 2 and it logs no update
     # metrics that step, while a policy with signal goes to 3. The runner (alpha=0: every group flat) never has any.
+    # The resumed step samples K=16 a group (one optimiser step a training step still), so that the caller or the
+    # courier has signal in it but for odds of ~1e-5 (with K=4, both had none in ~5 % of runs).
     resumed = _run(run_dir, recipe_runs.relay_shape, *lora, "trainer.total_training_steps=3", "trainer.save_freq=3",
-                   "mas.drop_zero_variance=true", workflow="relay-chain-v0")
+                   "mas.drop_zero_variance=true", "mas.branching=16", workflow="relay-chain-v0")
     assert [m["step"] for m in resumed if "mas/success_rate" in m["data"]] == [3]
     step3 = next(m["data"] for m in resumed if "mas/success_rate" in m["data"])
     # A fresh rollout of two replicas: the base once on each
