@@ -254,25 +254,71 @@ def _every_module() -> list[str]:
                   if not m.name.endswith("__main__") and m.name not in skip)
 
 
+#: Runs every probe of the import-order test in a fork of one interpreter that has loaded the third-party libraries
+#: verl imports (torch, tensordict, transformers, Ray: ~7 of the ~10 s an ``import verl`` takes here) and nothing of
+#: verl or verl_mas, whose import order is what the probes vary. Two probes at a time; argv: the modules (JSON), the
+#: probe's code after the module's import, a folder for each probe's exit status and output.
+FORKED_PROBES = r"""
+import json, os, sys, traceback
+import numpy, omegaconf, ray, tensordict, torch, transformers
+early = sorted(m for m in sys.modules if m.split(".")[0] in ("verl", "verl_mas"))
+if early:
+    raise SystemExit(f"the probes' parent imported {early}: each probe must import them itself")
+modules, probe, out = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3]
+running = {}
+
+def reap():
+    pid, status = os.wait()
+    with open(os.path.join(out, f"{running.pop(pid)}.rc"), "w") as f:
+        f.write(str(os.waitstatus_to_exitcode(status)))
+
+for i, module in enumerate(modules):
+    while len(running) >= 2:
+        reap()
+    sys.stdout.flush(); sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        for fd, suffix in ((1, "out"), (2, "err")):
+            os.dup2(os.open(os.path.join(out, f"{i}.{suffix}"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
+        code = 0
+        try:
+            exec(compile(f"import sys\nimport {module}\nif 'verl' not in sys.modules:\n    print('no-verl')\n"
+                         f"    raise SystemExit(0)\n" + probe, f"<probe {module}>", "exec"), {"__name__": "__main__"})
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+        sys.stdout.flush(); sys.stderr.flush()
+        os._exit(code)
+    running[pid] = i
+while running:
+    reap()
+"""
+
+
 @pytest.mark.slow
-def test_any_import_order_registers_everything() -> None:
-    """Each verl_mas module imported first, then verl, in a fresh interpreter: every registration is there.
+def test_any_import_order_registers_everything(tmp_path) -> None:
+    """Each verl_mas module imported first, then verl, in a new process: every registration is there.
 
     Before verl_mas._plugin deferred its registration, `import verl_mas.policies` first lost the mas trainer
     (a circular import inside verl's plugin loading) and `import verl_mas.backends.cpu_platform` first lost
     every registration, silently. A module whose import does not pull verl in cannot be caught half-imported
-    by verl's plugin loading, so its probe stops there (the plain `import verl` case is tested above)."""
-    from concurrent.futures import ThreadPoolExecutor
-
+    by verl's plugin loading, so its probe stops there (the plain `import verl` case is tested above). Each probe
+    is a fork of a process that holds the third-party libraries verl imports but neither verl nor verl_mas
+    (FORKED_PROBES): the import order of those two is the same as in a fresh interpreter."""
     modules = _every_module()
     assert {"verl_mas.policies", "verl_mas.trainer", "verl_mas.backends.cpu_platform"} <= set(modules)
-
-    def probe(module: str) -> tuple[str, subprocess.CompletedProcess[str]]:
-        first = f"import sys\nimport {module}\nif 'verl' not in sys.modules:\n    print('no-verl')\n    raise SystemExit(0)\n"
-        return module, _run(first + textwrap.dedent(REGISTRY_PROBE))
-
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        results = list(pool.map(probe, modules))
+    script, out = tmp_path / "probes.py", tmp_path / "probes"
+    script.write_text(FORKED_PROBES)
+    out.mkdir()
+    parent = subprocess.run([sys.executable, str(script), json.dumps(modules), textwrap.dedent(REGISTRY_PROBE), str(out)],
+                            env={k: v for k, v in os.environ.items() if not k.startswith("VERL_")},
+                            capture_output=True, text=True, timeout=600)
+    assert parent.returncode == 0, parent.stderr[-3000:]
+    results = [(module, subprocess.CompletedProcess(
+        module, int((out / f"{i}.rc").read_text()), (out / f"{i}.out").read_text(),
+        (out / f"{i}.err").read_text())) for i, module in enumerate(modules)]
     expected = {"plugin_loaded": True, "rollout_adapter": "verl_mas.backends.hf.adapter.HFServerAdapter",
                 "vllm_adapter": "verl_mas.backends.vllm.adapter.PolicyServerAdapter",
                 "estimator": "verl_mas.advantage.at_grpo", "agent_loop": {"_target_": "verl_mas.agent_loop.MasAgentLoop"},
