@@ -435,15 +435,19 @@ def test_candidates_route_by_session_through_verls_load_balancer_with_ids_of_the
             self.ids.append(request_id)
             return TokenOutput(token_ids=[1], log_probs=[0.0], stop_reason="completed", extra_fields={"global_steps": 0})
 
-        def seen(self) -> tuple[str, list[str]]:
-            return self.name, self.ids
+        def take(self) -> tuple[str, list[str]]:
+            """The ids served since the last call."""
+            ids, self.ids = self.ids, []
+            return self.name, ids
 
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         config = OmegaConf.create({"actor_rollout_ref": {"rollout": {"full_determinism": True, "name": "hf"}}})
+        # One set of servers for both clients (each actor is a process that imports verl: ~10 s of CPU); a
+        # balancer of its own for each, so that no session is pinned by the other client's requests.
+        servers = {f"s{i}": Server.remote(f"s{i}") for i in range(4)}
 
         def served(client_cls) -> dict[str, set[str]]:
-            servers = {f"s{i}": Server.remote(f"s{i}") for i in range(4)}
             balancer = ray.remote(GlobalRequestLoadBalancer).remote(servers=servers, full_determinism=True)
             client = client_cls(config=config, load_balancer_handle=balancer)
             ids = [candidate_request_id(f"task{t}|role|7", turn, k) for t in range(2) for turn in range(3)
@@ -453,11 +457,12 @@ def test_candidates_route_by_session_through_verls_load_balancer_with_ids_of_the
                 await asyncio.gather(*(client.generate(i, prompt_ids=[5], sampling_params={}) for i in ids))
 
             asyncio.run(all_requests())
+            taken = ray.get([s.take.remote() for s in servers.values()])
+            assert sorted(i for _, got in taken for i in got) == sorted(ids)
             out: dict[str, set[str]] = {}
-            for name, got in ray.get([s.seen.remote() for s in servers.values()]):
+            for name, got in taken:
                 for request_id in got:
                     out.setdefault(routing_key(request_id), set()).add(name)
-            assert sorted(i for s in ray.get([s.seen.remote() for s in servers.values()]) for i in s[1]) == sorted(ids)
             return out
 
         # Every candidate and turn of a session reaches one server; each request reached it with its own id.
