@@ -3,12 +3,14 @@
 ``tests/fixtures/trio_pkg`` is a package of its own (three roles: proposer, critic, reviser) that publishes
 ``trio-v0`` in the ``verl_mas.workflows`` entry-point group. It is installed into a folder on PYTHONPATH (a
 fresh machine would ``pip install -e .``; the test must not change the suite's own environment), and the CPU
-recipe trains it for one step with one shared model and with ``mas_policies=per_role_models`` unchanged: the
-agent-loop workers, which import nothing of the test, resolve the workflow by its entry point.
+recipe trains it for one step with one shared model and with ``mas_policies=per_role_lora`` unchanged (an adapter
+per role on one resident base, each role's own policy): the agent-loop workers, which import nothing of the test,
+resolve the workflow by its entry point. (Per-role models, a worker group and server each, cost a start-up of ~5 min
+for three roles here; tests/test_main_ppo_policies.py runs that layout with two.)
 
 Each of the two runs also carries one of the paper's ablations (verl_mas.config.ABLATIONS; the third,
 parallel sampling, runs in tests/test_main_ppo_at_grpo.py): role-only groups on the shared model, trajectory-level
-GRPO on one model per role. One main_ppo start-up serves both claims; each test asserts one of them.
+GRPO on one adapter per role. One main_ppo start-up serves both claims; each test asserts one of them.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ RECIPE = REPO / "recipes" / "at_grpo_cpu" / "run.sh"
 ROLES = ("proposer", "critic", "reviser")
 K, TASKS, TURNS = 4, 4, 2
 #: The runs: the policy layout, and the ablation each one also carries.
-RUNS = {"shared": "role_only_groups", "per_role_models": "trajectory_grpo"}
+RUNS = {"shared": "role_only_groups", "per_role_lora": "trajectory_grpo"}
 pytestmark = pytest.mark.slow
 
 
@@ -75,9 +77,9 @@ def test_a_three_role_workflow_from_its_own_package_trains_through_main_ppo(trio
         assert d["mas/episodes"] == TASKS  # tree sampling: one episode per task, K candidates at every node
         assert recipe_runs.gap(d) < 1e-6
         return
-    # One model per role, none listed by hand: each role's requests reached its own policy's server (one per
-    # episode and turn the role acted in: K independent episodes per task), and each policy's rollout samples
-    # from its own actor.
+    # One adapter per role, none listed by hand: each role's requests were served with its own policy's adapter
+    # (one per episode and turn the role acted in: K independent episodes per task), and each policy's rollout
+    # samples from its own actor.
     assert d["mas/episodes"] == K * TASKS
     for role in ROLES:
         assert d[f"policy/{role}/rollout/requests"] == round(K * TASKS * turns[role]), role
