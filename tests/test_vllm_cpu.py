@@ -333,6 +333,12 @@ GPU_RECIPES = ("code", "math", "plan_path", "sokoban", "sudoku")
 PER_RECIPE_KEYS = {"data.max_prompt_length", "trainer.experiment_name"}
 #: What runs a GPU recipe on this machine: the CPU vLLM settings and verl_mas/conf/on_cpu/tiny.yaml.
 ON_CPU = ("hydra.searchpath=[pkg://verl.trainer.config,pkg://verl_mas.conf]", "+cpu_rollout=vllm", "+on_cpu=tiny")
+#: The dynamic-batch token budgets of a micro-batch, a device-bound size too: the recipes' 16,384 tokens a GPU pack a
+#: step's 128 rows (~180 tokens each) into two micro-batches, and PyTorch's SDPA on CPU materialises a packed
+#: micro-batch's attention, quadratic in its tokens (one step's update took 154 s of a 216-s step here; 2,048 tokens
+#: a micro-batch: see the test's printed timings).
+CPU_TOKEN_BUDGET = tuple(f"actor_rollout_ref.{key}=2048" for key in (
+    "actor.ppo_max_token_len_per_gpu", "ref.log_prob_max_token_len_per_gpu", "rollout.log_prob_max_token_len_per_gpu"))
 
 
 def _recipe_settings(name: str) -> dict:
@@ -357,9 +363,9 @@ def test_every_gpu_recipes_settings_run_on_cpu_with_vllm(tmp_path: Path, recipe_
 
     Recipes whose settings agree (everything but PER_RECIPE_KEYS) share one run; a recipe that diverges gets
     a run of its own. Each run swaps only the model (a tiny one) and the device-bound sizes
-    (verl_mas/conf/on_cpu/tiny.yaml: one rank, one vLLM replica), validates before and after one training step,
-    and must sample from the synced weights. (Several vLLM replicas of a policy, as a GPU node's 8 ranks give 8,
-    are checked at data-parallel 2 by the shared-LoRA test below.)
+    (verl_mas/conf/on_cpu/tiny.yaml: one rank, one vLLM replica; CPU_TOKEN_BUDGET), validates before and after one
+    training step, and must sample from the synced weights. (Several vLLM replicas of a policy, as a GPU node's 8
+    ranks give 8, are checked at data-parallel 2 by the shared-LoRA test below.)
     """
     import json
 
@@ -377,7 +383,8 @@ def test_every_gpu_recipes_settings_run_on_cpu_with_vllm(tmp_path: Path, recipe_
         model_arg = () if "MODEL_PATH" in script.read_text() else (f"actor_rollout_ref.model.path={model}",)
         # Every row through log-probs (a random tiny model's first step may have no group with signal, and the
         # rollout-vs-actor gap is what this run checks).
-        proc, metrics = recipe_runs.run(script, run_dir, *model_arg, *ON_CPU, "mas.drop_zero_variance=false",
+        proc, metrics = recipe_runs.run(script, run_dir, *model_arg, *ON_CPU, *CPU_TOKEN_BUDGET,
+                                        "mas.drop_zero_variance=false",
                                         python=_vllm_python(), steps=1,
                                         MODEL_PATH=str(model), TRAIN_TASKS="4", TEST_TASKS="2", VERL_PLATFORM="cpu",
                                         VERL_FILE_LOGGER_PATH=str(run_dir / "metrics.jsonl"))
@@ -395,7 +402,8 @@ def test_every_gpu_recipes_settings_run_on_cpu_with_vllm(tmp_path: Path, recipe_
         assert d["mas/rollout/weight_updates"] == 2.0
         print(f"[vllm-recipes] {name} (settings of {', '.join(recipes)}): step 1 gap="
               f"{recipe_runs.gap(d):.1e} episodes={d['mas/episodes']:.0f} step_s={d['timing_s/step']:.1f} "
-              f"sessions={d['mas/rollout/sessions']:.0f} requests={d['mas/rollout/requests']:.0f}")
+              f"sessions={d['mas/rollout/sessions']:.0f} requests={d['mas/rollout/requests']:.0f} "
+              f"old_log_prob_s={d['timing_s/old_log_prob']:.1f} update_actor_s={d['timing_s/update_actor']:.1f}")
 
 
 def test_one_resident_base_with_an_adapter_per_role_on_vllm_serves_each_role_its_adapter(tmp_path: Path,
