@@ -20,10 +20,10 @@ import pytest
 # every scenario runs in a fresh interpreter (import verl: ~5 s each)
 pytestmark = pytest.mark.slow
 
-def _run(code: str, **env: str) -> subprocess.CompletedProcess[str]:
+def _run(code: str, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
     base = {k: v for k, v in os.environ.items() if not k.startswith("VERL_")}
     return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
+        [sys.executable, "-c", textwrap.dedent(code), *args],
         env={**base, **env},
         capture_output=True,
         text=True,
@@ -309,12 +309,9 @@ def test_any_import_order_registers_everything(tmp_path) -> None:
     (FORKED_PROBES): the import order of those two is the same as in a fresh interpreter."""
     modules = _every_module()
     assert {"verl_mas.policies", "verl_mas.trainer", "verl_mas.backends.cpu_platform"} <= set(modules)
-    script, out = tmp_path / "probes.py", tmp_path / "probes"
-    script.write_text(FORKED_PROBES)
+    out = tmp_path / "probes"
     out.mkdir()
-    parent = subprocess.run([sys.executable, str(script), json.dumps(modules), textwrap.dedent(REGISTRY_PROBE), str(out)],
-                            env={k: v for k, v in os.environ.items() if not k.startswith("VERL_")},
-                            capture_output=True, text=True, timeout=600)
+    parent = _run(FORKED_PROBES, json.dumps(modules), textwrap.dedent(REGISTRY_PROBE), str(out))
     assert parent.returncode == 0, parent.stderr[-3000:]
     results = [(module, subprocess.CompletedProcess(
         module, int((out / f"{i}.rc").read_text()), (out / f"{i}.out").read_text(),
