@@ -20,7 +20,6 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-SMOKE = REPO / "recipes" / "grpo_cpu_smoke" / "run.sh"
 # Absolute (not resolved: the venv interpreter is a symlink whose target is outside the venv): the recipe
 # runs from another directory.
 VLLM_PYTHON = os.path.abspath(os.environ.get("VERL_MAS_VLLM_PYTHON") or REPO / ".venv-vllm" / "bin" / "python")
@@ -43,8 +42,14 @@ def _run(code: str) -> str:
     return proc.stdout
 
 
-def test_verl_sees_the_cpu_vllm_and_the_plugin_keeps_linear_weights_for_weight_sync() -> None:
-    out = _run("""
+@pytest.fixture(scope="module")
+def probe() -> str:
+    """What the vLLM environment says of itself, from one interpreter (each costs ~20 s of importing vLLM)."""
+    return _run("""
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+        from verl_mas.backends.vllm.support import CPU_ATTENTION_HEAD_SIZES
+        print("head sizes: vllm", CPUAttentionBackend.get_supported_head_sizes(), "ours", list(CPU_ATTENTION_HEAD_SIZES))
+
         import importlib.metadata as md
         import torch
         import verl.third_party.vllm as verl_vllm
@@ -81,7 +86,11 @@ def test_verl_sees_the_cpu_vllm_and_the_plugin_keeps_linear_weights_for_weight_s
         got = UnquantizedLinearMethod().apply(layer, x)
         print("max diff after sync", float((got - x @ new.T).abs().max()))
     """)
-    print(out)
+
+
+def test_verl_sees_the_cpu_vllm_and_the_plugin_keeps_linear_weights_for_weight_sync(probe: str) -> None:
+    print(probe)
+    out = probe
     assert "verl sees vllm 0.24.0+cpu cpu True" in out
     assert "entry point ['verl_mas.backends.vllm.plugin:register']" in out
     assert "stock weight shape (0,)" in out and "kept weight shape (8, 32)" in out
@@ -96,45 +105,17 @@ def test_verl_sees_the_cpu_vllm_and_the_plugin_keeps_linear_weights_for_weight_s
 RELAY_MODEL_BYTES = 317_056 * 4
 
 
-def test_the_head_sizes_checked_at_start_up_are_the_ones_vllms_cpu_attention_serves() -> None:
-    out = _run("""
-        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
-        from verl_mas.backends.vllm.support import CPU_ATTENTION_HEAD_SIZES
-        print("vllm", CPUAttentionBackend.get_supported_head_sizes(), "ours", list(CPU_ATTENTION_HEAD_SIZES))
-    """)
-    vllm_sizes, ours = out.split("vllm ", 1)[1].split(" ours ")
-    assert vllm_sizes.strip() == ours.strip(), out
+def test_the_head_sizes_checked_at_start_up_are_the_ones_vllms_cpu_attention_serves(probe: str) -> None:
+    (line,) = [line for line in probe.splitlines() if line.startswith("head sizes: vllm ")]
+    vllm_sizes, ours = line.removeprefix("head sizes: vllm ").split(" ours ")
+    assert vllm_sizes.strip() == ours.strip(), line
 
 
-#: Steps 1-2 sample from synced weights; the vLLM workers then ignore every later sync
-#: (``VERL_MAS_VLLM_FREEZE_WEIGHTS=after:2``: the initial sync and step 1's load), so step 3 samples from step 2's
-#: weights while the actor has moved on: the synced run and its negative control in one start-up.
-SYNCED_STEPS, STEPS = 2, 3
-#: Tensor parallel 2 over the two ranks: one vLLM replica whose two workers each hold half of every sharded layer.
+#: Tensor parallel 2 over two ranks: one vLLM replica whose two workers each hold half of every sharded layer. The
+#: replica starts from dummy weights (verl's ``load_format: dummy``) and each rank sends the whole model to its own
+#: worker, which loads its shard: a worker whose sync failed would sample from random halves of every sharded layer,
+#: and the rollout-vs-actor gap would show it from the first step.
 TP = ("trainer.n_gpus_per_node=2", "ray_kwargs.ray_init.num_gpus=2", "actor_rollout_ref.rollout.tensor_model_parallel_size=2")
-
-
-def test_grpo_main_ppo_on_vllm_at_tensor_parallel_2_samples_from_the_synced_weights_and_a_frozen_rollout_is_caught(
-        tmp_path: Path, recipe_runs) -> None:
-    """Stock verl GRPO on verl's vLLM rollout at tensor parallel 2 (vLLM's CPU build, two workers over gloo; the CPU
-    recipes let the OS place their threads, recipes/cpu_common.sh). Each rank sends the whole model to its own TP
-    worker, which loads its shard: a worker left stale would leave half of every sharded layer behind, and the
-    rollout-vs-actor gap would show it, as the frozen steps do."""
-    run_dir = tmp_path / "run"
-    run_dir.mkdir()  # the recipe builds model-h128, which vLLM serves (head size 32; 4 heads, 2 KV heads: TP 2 splits)
-    proc, metrics = recipe_runs.run(SMOKE, run_dir, *VLLM, *TP, python=_vllm_python(), steps=STEPS,
-                                    VERL_MAS_VLLM_FREEZE_WEIGHTS=f"after:{SYNCED_STEPS}")
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    gaps = [m["data"]["training/rollout_probs_diff_mean"] for m in metrics]
-    print(f"\n[vllm-cpu] rollout-vs-actor gap per step (synced {SYNCED_STEPS}, then frozen): "
-          f"{', '.join(f'{g:.1e}' for g in gaps)}")
-    assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))
-    assert all(m["data"]["actor/grad_norm"] > 0 for m in metrics)
-    # Synced steps at float noise; once the workers ignore syncs (receiving them: the run goes on), the check
-    # fails at the first step it can and every later one.
-    assert recipe_runs.sync_problems(metrics[:SYNCED_STEPS]) == []
-    assert [p.split(":")[0] for p in recipe_runs.sync_problems(metrics)] == \
-        [f"step {s}" for s in range(SYNCED_STEPS + 1, STEPS + 1)]
 
 
 def _tiny(out: Path, *args: str) -> Path:
@@ -221,6 +202,15 @@ def test_a_lora_adapter_and_a_model_of_another_size_as_two_roles_on_vllm_route_s
     Controls as in the ``hf`` test (tests/test_main_ppo_policies.py): the two policies' models differ in size (and
     family), so a request served by, or a sync landing in, the other policy's server shows up as a large
     log-prob gap; ``mas.alpha=0`` holds the runner at zero advantage, so its model must not move at all.
+
+    A third step is the stale-rollout control (``VERL_MAS_VLLM_FREEZE_WEIGHTS=after:3``): the vLLM workers load the
+    first 3 syncs of their server and ignore later ones. A step's sync follows its update (verl logs it with the
+    step), so the caller's server takes its initial base and adapter and step 1's adapter, then ignores step 2's
+    (the runner's takes its initial sync and those of steps 1 and 2, and ignores step 3's, which nothing samples
+    from; the runner never moves anyway). Step 3 then samples the caller from its step-1
+    weights while its actor has taken step 2's update, which moved it: the caller had signal at step 1 or 2
+    (checked), so step 2's optimiser step changed its adapter (by its gradient, or by Adam's momentum and weight
+    decay once B is non-zero). Its gap must rise far above the synced steps', and the ignored syncs load no bytes.
     """
     import torch
 
@@ -231,18 +221,20 @@ def test_a_lora_adapter_and_a_model_of_another_size_as_two_roles_on_vllm_route_s
                    "+mas.policies.caller.model.lora.merge=false", "+mas.policies.caller.actor.optim.lr=1e-2")
     # Step 1's syncs: the caller's initial sync loads the base and then the adapter, then step 1's adapter; the
     # runner's, its model twice (the initial sync and step 1's).
-    run_dir, steps, _ = _two_policy_run(recipe_runs, tmp_path, "vllm-policies", "mas_policies=per_role_models",
-                                     f"+mas.policies.runner.model.path={runner_model}", *caller_lora,
-                                     syncs_at_step_1={"caller": 3.0, "runner": 2.0}, gap=1e-6)
+    run_dir, steps, frozen = _two_policy_run(recipe_runs, tmp_path, "vllm-policies", "mas_policies=per_role_models",
+                                          f"+mas.policies.runner.model.path={runner_model}", *caller_lora,
+                                          syncs_at_step_1={"caller": 3.0, "runner": 2.0}, gap=1e-6, more_steps=1,
+                                          VERL_MAS_VLLM_FREEZE_WEIGHTS="after:3")
     # The bytes the vLLM servers loaded (mas/rollout/weight_bytes; it was always 0 on vLLM), in fp32. The caller's
     # base is RELAY_MODEL_BYTES, its rank-8 adapter on every linear layer holds per layer 8 * (q 128+128,
     # k 128+64, v 128+64, o 128+128, gate 128+256, up 128+256, down 256+128) = 8 * 2,048 floats; 2 layers: 131,072
     # bytes. The runner's model (hidden 256, 3 layers, 512 tokens, KV heads of 64): per layer q 65,792, k and v
     # 32,896 each, o 65,536, MLP 196,608, norms 512 -> 394,240; 3 layers 1,182,720 + embedding 512*256 = 131,072
-    # + final norm 256 + lm_head 131,072 = 1,445,120 floats.
+    # + final norm 256 + lm_head 131,072 = 1,445,120 floats. With the control below each server loads its first 3
+    # syncs: at step 2 the runner's (its third), not the caller's (its fourth); at step 3 neither.
     adapter_bytes, runner_bytes = 8 * 2_048 * 2 * 4, 1_445_120 * 4
-    assert [m["data"]["mas/rollout/weight_bytes"] for m in steps] == [
-        RELAY_MODEL_BYTES + 2 * adapter_bytes + 2 * runner_bytes, adapter_bytes + runner_bytes]
+    assert [m["data"]["mas/rollout/weight_bytes"] for m in [*steps, *frozen]] == [
+        RELAY_MODEL_BYTES + 2 * adapter_bytes + 2 * runner_bytes, runner_bytes, 0]
     ckpt = run_dir / "checkpoints" / "global_step_2"
     caller_after = {k: v for k, v in _weights(ckpt / "actor" / "huggingface").items() if "lora_B" in k}
     runner_before, runner_after = _weights(runner_model), _weights(ckpt / "actor_runner" / "huggingface")
@@ -250,6 +242,16 @@ def test_a_lora_adapter_and_a_model_of_another_size_as_two_roles_on_vllm_route_s
     assert sum(int(torch.count_nonzero(v)) for v in caller_after.values()) > 0  # B started at zero and moved
     assert runner_after["model.embed_tokens.weight"].shape[1] == 256
     assert all(torch.equal(runner_before[k], runner_after[k]) for k in runner_before)
+
+    # The stale-rollout control, step 3: both servers received their sync (counted) and loaded nothing (above).
+    (step3,) = [m["data"] for m in frozen]
+    assert step3["policy/caller/rollout/weight_updates"] == step3["policy/runner/rollout/weight_updates"] == 1.0
+    synced = max(m["data"]["policy/caller/training/rollout_probs_diff_mean"] for m in steps)
+    stale = step3["policy/caller/training/rollout_probs_diff_mean"]
+    print(f"[vllm-policies] step 3 with the caller's sync ignored: caller gap {stale:.1e} (synced steps: at most "
+          f"{synced:.1e}), runner gap {step3['policy/runner/training/rollout_probs_diff_mean']:.1e}")
+    assert stale > max(100 * synced, 1e-6), (stale, synced)
+    assert step3["policy/runner/training/rollout_probs_diff_mean"] < 1e-6
 
 
 SENDER_SCRIPT = """
@@ -363,9 +365,10 @@ def test_every_gpu_recipes_settings_run_on_cpu_with_vllm(tmp_path: Path, recipe_
 
     Recipes whose settings agree (everything but PER_RECIPE_KEYS) share one run; a recipe that diverges gets
     a run of its own. Each run swaps only the model (a tiny one) and the device-bound sizes
-    (verl_mas/conf/on_cpu/tiny.yaml: one rank, one vLLM replica; CPU_TOKEN_BUDGET), validates before and after one
-    training step, and must sample from the synced weights. (Several vLLM replicas of a policy, as a GPU node's 8
-    ranks give 8, are checked at data-parallel 2 by the shared-LoRA test below.)
+    (verl_mas/conf/on_cpu/tiny.yaml; CPU_TOKEN_BUDGET), here at two ranks with the rollout at tensor parallel 2
+    (:data:`TP`: one vLLM replica of two workers, over gloo), validates before and after two training steps, and
+    must sample from the synced weights at both. (Several vLLM replicas of a policy, as a GPU node's 8 ranks give 8,
+    are checked at data-parallel 2 by the shared-LoRA test below.)
     """
     import json
 
@@ -383,27 +386,31 @@ def test_every_gpu_recipes_settings_run_on_cpu_with_vllm(tmp_path: Path, recipe_
         model_arg = () if "MODEL_PATH" in script.read_text() else (f"actor_rollout_ref.model.path={model}",)
         # Every row through log-probs (a random tiny model's first step may have no group with signal, and the
         # rollout-vs-actor gap is what this run checks).
-        proc, metrics = recipe_runs.run(script, run_dir, *model_arg, *ON_CPU, *CPU_TOKEN_BUDGET,
+        # vLLM's CPU build binds each TP worker's threads to a NUMA node of its own unless told otherwise (the CPU
+        # recipes set this in recipes/cpu_common.sh; the GPU recipes leave binding to the machine).
+        proc, metrics = recipe_runs.run(script, run_dir, *model_arg, *ON_CPU, *TP, *CPU_TOKEN_BUDGET,
                                         "mas.drop_zero_variance=false",
-                                        python=_vllm_python(), steps=1,
+                                        python=_vllm_python(), steps=2,
                                         MODEL_PATH=str(model), TRAIN_TASKS="4", TEST_TASKS="2", VERL_PLATFORM="cpu",
+                                        VLLM_CPU_OMP_THREADS_BIND="nobind",
                                         VERL_FILE_LOGGER_PATH=str(run_dir / "metrics.jsonl"))
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
         train = [m for m in metrics if "mas/episodes" in m["data"]]
         val = [m for m in metrics if any(k.startswith("val-core/") for k in m["data"])]
-        assert [m["step"] for m in train] == [1] and recipe_runs.sync_problems(train) == []
+        assert [m["step"] for m in train] == [1, 2] and recipe_runs.sync_problems(train) == []
         assert len(val) == 2, [sorted(m["data"]) for m in metrics]  # before training and after the last step
-        d = train[0]["data"]
-        assert d["mas/infra_failures"] == 0.0 and d["mas/group/size_mean"] == 4.0
-        # Each sample names the vLLM replica that sampled it: the one replica served every session and took every
-        # sync (the one after start-up and the one before the step).
-        assert d["mas/rollout/sessions"] > 0 and d["mas/rollout/sessions_split"] == 0.0
-        assert d["mas/rollout/requests"] > 0 and not any("/replica" in k for k in d)
-        assert d["mas/rollout/weight_updates"] == 2.0
-        print(f"[vllm-recipes] {name} (settings of {', '.join(recipes)}): step 1 gap="
-              f"{recipe_runs.gap(d):.1e} episodes={d['mas/episodes']:.0f} step_s={d['timing_s/step']:.1f} "
-              f"sessions={d['mas/rollout/sessions']:.0f} requests={d['mas/rollout/requests']:.0f} "
-              f"old_log_prob_s={d['timing_s/old_log_prob']:.1f} update_actor_s={d['timing_s/update_actor']:.1f}")
+        for m in train:
+            d = m["data"]
+            assert d["mas/infra_failures"] == 0.0 and d["mas/group/size_mean"] == 4.0
+            # Each sample names the vLLM replica that sampled it: the one replica (of two TP workers) served every
+            # session and took every sync (step 1: the one after start-up and the one before the step).
+            assert d["mas/rollout/sessions"] > 0 and d["mas/rollout/sessions_split"] == 0.0
+            assert d["mas/rollout/requests"] > 0 and not any("/replica" in k for k in d)
+            assert d["mas/rollout/weight_updates"] == (2.0 if m["step"] == 1 else 1.0)
+            print(f"[vllm-recipes] {name} (settings of {', '.join(recipes)}; tensor parallel 2): step {m['step']} gap="
+                  f"{recipe_runs.gap(d):.1e} episodes={d['mas/episodes']:.0f} step_s={d['timing_s/step']:.1f} "
+                  f"sessions={d['mas/rollout/sessions']:.0f} requests={d['mas/rollout/requests']:.0f} "
+                  f"old_log_prob_s={d['timing_s/old_log_prob']:.1f} update_actor_s={d['timing_s/update_actor']:.1f}")
 
 
 def test_one_resident_base_with_an_adapter_per_role_on_vllm_serves_each_role_its_adapter(tmp_path: Path,
