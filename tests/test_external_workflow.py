@@ -3,14 +3,15 @@
 ``tests/fixtures/trio_pkg`` is a package of its own (three roles: proposer, critic, reviser) that publishes
 ``trio-v0`` in the ``verl_mas.workflows`` entry-point group. It is installed into a folder on PYTHONPATH (a
 fresh machine would ``pip install -e .``; the test must not change the suite's own environment), and the CPU
-recipe trains it for one step with one shared model and with ``mas_policies=per_role_lora`` unchanged (an adapter
-per role on one resident base, each role's own policy): the agent-loop workers, which import nothing of the test,
-resolve the workflow by its entry point. (Per-role models, a worker group and server each, cost a start-up of ~5 min
-for three roles here; tests/test_main_ppo_policies.py runs that layout with two.)
+recipe trains it for one step with ``mas_policies=per_role_lora`` unchanged (an adapter per role on one resident
+base, each role's own policy, none listed by hand): the start-up and the agent-loop workers, which import nothing of
+the test, resolve the workflow and its roles by its entry point. (The shared model is the recipe's default and
+resolves the workflow the same way; per-role models, a worker group and server each, cost a start-up of ~5 min for
+three roles here, and tests/test_main_ppo_policies.py runs that layout with two.)
 
-Each of the two runs also carries one of the paper's ablations (verl_mas.config.ABLATIONS; the third,
-parallel sampling, runs in tests/test_main_ppo_at_grpo.py): role-only groups on the shared model, trajectory-level
-GRPO on one adapter per role. One main_ppo start-up serves both claims; each test asserts one of them.
+The run also carries one of the paper's ablations (verl_mas.config.ABLATIONS), trajectory-level GRPO: one
+main_ppo start-up serves both claims, each test asserts one of them. (Role-only groups ride on the per-role-models
+run of tests/test_main_ppo_policies.py, parallel sampling on gridwalk's run in tests/test_main_ppo_at_grpo.py.)
 """
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "at_grpo_cpu" / "run.sh"
 ROLES = ("proposer", "critic", "reviser")
 K, TASKS, TURNS = 4, 4, 2
-#: The runs: the policy layout, and the ablation each one also carries.
-RUNS = {"shared": "role_only_groups", "per_role_lora": "trajectory_grpo"}
+#: The run: its policy layout, and the ablation it also carries.
+RUNS = {"per_role_lora": "trajectory_grpo"}
 pytestmark = pytest.mark.slow
 
 
@@ -62,8 +63,8 @@ def trio_run(request: pytest.FixtureRequest, installed: Path, tmp_path_factory: 
     turns = {role: d[f"mas/{role}/turns"] for role in ROLES}
     print(f"[external-workflow] {layout} ({RUNS[layout]}): success={d['mas/success_rate']:.2f} turns={turns} "
           f"groups={d['mas/group/count']:.0f} size={d['mas/group/size_mean']:.2f} episodes={d['mas/episodes']:.0f} "
-          + (f"gap={recipe_runs.gap(d):.1e}" if layout == "shared" else " ".join(
-              f"{p}: requests={d[f'policy/{p}/rollout/requests']:.0f} gap={recipe_runs.gap(d, p):.1e}" for p in ROLES)))
+          + " ".join(f"{p}: requests={d[f'policy/{p}/rollout/requests']:.0f} gap={recipe_runs.gap(d, p):.1e}"
+                     for p in ROLES))
     return layout, d
 
 
@@ -73,10 +74,6 @@ def test_a_three_role_workflow_from_its_own_package_trains_through_main_ppo(trio
     # Every role acted and every episode was counted: the workflow ran in the agent-loop workers.
     assert all(1 <= turns[role] <= TURNS for role in ROLES)
     assert d["mas/infra_failures"] == 0.0
-    if layout == "shared":
-        assert d["mas/episodes"] == TASKS  # tree sampling: one episode per task, K candidates at every node
-        assert recipe_runs.gap(d) < 1e-6
-        return
     # One adapter per role, none listed by hand: each role's requests were served with its own policy's adapter
     # (one per episode and turn the role acted in: K independent episodes per task), and each policy's rollout
     # samples from its own actor.
@@ -89,14 +86,8 @@ def test_a_three_role_workflow_from_its_own_package_trains_through_main_ppo(trio
 def test_each_ablation_groups_as_documented_through_main_ppo(trio_run) -> None:
     """docs/training.md, "Ablations": what each grouping puts together, on verl's batch."""
     layout, d = trio_run
-    if RUNS[layout] == "role_only_groups":
-        # One group per (task, role) across turns: at most 3 roles x TASKS groups, each holding K candidates of
-        # every turn the role acted in (tree sampling).
-        assert d["mas/group/count"] <= len(ROLES) * TASKS
-        assert d["mas/group/size_mean"] >= K and d["mas/group/size_mean"] % K == 0
-    else:
-        # trajectory_grpo: one group per (task, role) holding the role's rows of the task's K independent
-        # episodes (rows counted here; the estimator takes its statistics over the episodes, each scored by
-        # the role's return).
-        assert d["mas/group/count"] == len(ROLES) * TASKS
-        assert d["mas/group/singleton_frac"] == 0.0
+    assert RUNS[layout] == "trajectory_grpo"
+    # One group per (task, role) holding the role's rows of the task's K independent episodes (rows counted here;
+    # the estimator takes its statistics over the episodes, each scored by the role's return).
+    assert d["mas/group/count"] == len(ROLES) * TASKS
+    assert d["mas/group/singleton_frac"] == 0.0

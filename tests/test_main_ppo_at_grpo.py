@@ -125,21 +125,27 @@ def test_at_grpo_trains_a_two_role_workflow_through_main_ppo(tmp_path: Path, rec
     assert max(m["data"].get("actor/grad_norm", 0.0) for m in metrics) > 0
 
 
-# at_grpo: the test above; role_only_groups and trajectory_grpo ride on the external workflow's two runs
-# (tests/test_external_workflow.py: one start-up, both claims); trajectory_grpo_success scores rows with the outcome
-# instead of the role's return, which differs from trajectory_grpo only in assign_groups
-# (tests/test_trainer_accounting.py).
+# at_grpo: the test above; role_only_groups rides on the per-role-models run (tests/test_main_ppo_policies.py),
+# trajectory_grpo on the external workflow's run (tests/test_external_workflow.py): one start-up, two claims each;
+# trajectory_grpo_success scores rows with the outcome instead of the role's return, which differs from
+# trajectory_grpo only in assign_groups (tests/test_trainer_accounting.py).
 ELSEWHERE = {"at_grpo", "role_only_groups", "trajectory_grpo", "trajectory_grpo_success"}
 
 
-def test_every_documented_ablation_runs_through_main_ppo_somewhere() -> None:
+def _module(name: str):
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("external", Path(__file__).with_name("test_external_workflow.py"))
-    external = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(external)
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_documented_ablation_runs_through_main_ppo_somewhere() -> None:
+    carried = {*_module("test_external_workflow").RUNS.values(),
+               _module("test_main_ppo_policies").PER_ROLE_MODELS_ABLATION}
     assert set(ABLATIONS) - ELSEWHERE == {"parallel_sampling"}
-    assert set(external.RUNS.values()) == ELSEWHERE - {"at_grpo", "trajectory_grpo_success"}
+    assert carried == ELSEWHERE - {"at_grpo", "trajectory_grpo_success"}
 
 
 @pytest.mark.slow

@@ -35,6 +35,10 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "at_grpo_cpu" / "run.sh"
 K, TASKS = 4, 8  # K: recipe_runs.relay_shape's
+#: The paper's ablation the per-role-models run carries (one start-up, two claims): advantages normalised in
+#: (task, role) groups across turns instead of AT-GRPO's (task, role, turn) (verl_mas.config.ABLATIONS). Routing,
+#: syncs, checkpoints and the runner's control do not depend on the grouping; the groups are checked on its steps.
+PER_ROLE_MODELS_ABLATION = "role_only_groups"
 SAVE_HF = "actor_rollout_ref.actor.checkpoint.save_contents=[model,optimizer,extra,hf_model]"
 #: Data-parallel ranks (logical GPUs) of a policy on verl's pool: verl gives each rank one hf rollout replica.
 DP = 2
@@ -123,7 +127,9 @@ def test_per_role_models_of_different_sizes_train_at_two_ranks_each_route_sync_a
     """mas_policies=per_role_models: the caller on verl's pool, the runner, a model of another size and family, on a
     resource pool of its own, each at data-parallel 2 (two ranks, one hf rollout replica each). Two steps on a local
     Ray, then a resume on a four-node Ray cluster: the caller over two nodes (``trainer.nnodes=2``, one rank and one
-    replica a node), the runner over the two others (its ``resources: {nnodes: 2}``)."""
+    replica a node), the runner over the two others (its ``resources: {nnodes: 2}``). The run also carries the
+    role-only-groups ablation (:data:`PER_ROLE_MODELS_ABLATION`)."""
+    from verl_mas.config import ablation
     from verl_mas.tiny import write_tiny
 
     run_dir = tmp_path / "run"
@@ -138,7 +144,8 @@ def test_per_role_models_of_different_sizes_train_at_two_ranks_each_route_sync_a
     from verl_mas.workflows.relay import RelayWorkflow
 
     write_tiny(run_dir / "model", vocab=list(RelayWorkflow.vocabulary), chat_template=CHAT_TEMPLATE)
-    policies = ["mas_policies=per_role_models", f"+mas.policies.runner.model.path={runner_model}",
+    policies = [*ablation(PER_ROLE_MODELS_ABLATION, K), "mas_policies=per_role_models",
+                f"+mas.policies.runner.model.path={runner_model}",
                 "+mas.policies.runner.actor={optim: {weight_decay: 0.0}}",
                 f"+mas.policies.runner.resources={{n_gpus_per_node: {DP}}}"]
     metrics = _run(run_dir, recipe_runs.relay_shape, *policies, f"trainer.n_gpus_per_node={DP}",
@@ -242,6 +249,10 @@ def _check_per_role_models_step(d: dict, step: int, *, replicas: int, syncs_at_s
             assert d[f"policy/{role}/rollout/samples"] == round(K * TASKS * d[f"mas/{role}/turns"]), (role, step)
             assert d[f"policy/{role}/rollout/requests"] == round(TASKS * d[f"mas/{role}/turns"]), (role, step)
     assert (d["mas/rollout/sessions"], d["mas/rollout/sessions_split"]) == (2 * TASKS, 0.0), step
+    # Role-only groups (the ablation this run carries): one group per (task, role), holding the role's K candidates
+    # of every turn it acted in; AT-GRPO's would be one per (task, role, turn) of K each.
+    turns = d["mas/caller/turns"] + d["mas/runner/turns"]  # per task
+    assert d["mas/group/count"] == 2 * TASKS and abs(d["mas/group/size_mean"] - K * turns / 2) < 1e-6, step
     assert d["mas/runner/reward/mean"] == 0.0  # alpha=0: the runner's control condition
     assert d["policy/runner/actor/grad_norm"] == 0.0
 
