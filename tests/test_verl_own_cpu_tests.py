@@ -24,10 +24,10 @@ VERL_TEST_FILES = [
     "experimental/agent_loop/test_audio_server_contract_on_cpu.py",
     "experimental/agent_loop/test_call_tool_on_cpu.py",
     "experimental/agent_loop/test_tool_call_id_on_cpu.py",
-    # single controller: the @register dispatch modes and the colocated (fused) worker classes verl_mas's per-policy
-    # worker groups are built from. (verl's other single-controller tests, of Ray helpers verl_mas does not call:
-    # auto padding, parallel put, worker environment variables, each start a Ray of their own for ~20-60 s.)
-    "single_controller/test_decorator_on_cpu.py",
+    # single controller: the colocated (fused) worker classes verl_mas's per-policy worker groups are built from.
+    # (verl's other single-controller tests each start a Ray of their own for ~20-60 s: the @register dispatch modes
+    # (test_decorator) run in every main_ppo run of this suite, at one and two ranks, with the plugin in every worker;
+    # auto padding, parallel put and worker environment variables are Ray helpers verl_mas does not call.)
     "single_controller/test_fused_workers_on_cpu.py",
 ]
 
