@@ -89,8 +89,8 @@ def probe() -> str:
 
 
 def test_verl_sees_the_cpu_vllm_and_the_plugin_keeps_linear_weights_for_weight_sync(probe: str) -> None:
-    print(probe)
     out = probe
+    print(out)
     assert "verl sees vllm 0.24.0+cpu cpu True" in out
     assert "entry point ['verl_mas.backends.vllm.plugin:register']" in out
     assert "stock weight shape (0,)" in out and "kept weight shape (8, 32)" in out
@@ -403,7 +403,7 @@ def test_every_gpu_recipes_settings_run_on_cpu_with_vllm(tmp_path: Path, recipe_
             d = m["data"]
             assert d["mas/infra_failures"] == 0.0 and d["mas/group/size_mean"] == 4.0
             # Each sample names the vLLM replica that sampled it: the one replica (of two TP workers) served every
-            # session and took every sync (step 1: the one after start-up and the one before the step).
+            # session and took every sync (step 1: the one after start-up and the one after its update).
             assert d["mas/rollout/sessions"] > 0 and d["mas/rollout/sessions_split"] == 0.0
             assert d["mas/rollout/requests"] > 0 and not any("/replica" in k for k in d)
             assert d["mas/rollout/weight_updates"] == (2.0 if m["step"] == 1 else 1.0)
