@@ -124,7 +124,8 @@ def test_the_head_size_is_read_as_vllm_reads_it(models: dict[int, Path], tmp_pat
 
 #: Stands in for python in a recipe: runs everything but verl's trainer, whose arguments it records.
 STUB = """#!/usr/bin/env bash
-if [ "$1 $2" = "-m verl.trainer.main_ppo" ]; then printf '%s\\n' "$@" > "$VERL_MAS_RUN_DIR/main_ppo_args"; exit 0; fi
+if [ "$1 $2" = "-m verl.trainer.main_ppo" ]; then printf '%s\\n' "$@" > "$VERL_MAS_RUN_DIR/main_ppo_args"
+  printf '%s' "${{VLLM_CPU_OMP_THREADS_BIND-unset}}" > "$VERL_MAS_RUN_DIR/main_ppo_thread_binding"; exit 0; fi
 exec {python} "$@"
 """
 
@@ -145,11 +146,13 @@ def _recipe_model(recipe: str, run_dir: Path, stub: Path, *overrides: str) -> Pa
 def test_the_cpu_recipes_build_a_model_the_selected_rollout_serves(recipe: str, tmp_path: Path,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """The README's command (``run.sh cpu_rollout=vllm``) gets a model vLLM's CPU attention serves, also in a run
-    directory where an hf run left its model (head size 16), and with one model per role."""
+    directory where an hf run left its model (head size 16), and with one model per role; at tensor parallel 2 the
+    thread binding vLLM needs on a machine of one NUMA node."""
     stub = tmp_path / "python"
     stub.write_text(STUB.format(python=sys.executable))
     stub.chmod(stub.stat().st_mode | stat.S_IXUSR)
     run_dir = tmp_path / "run"
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)  # checked below
     hf_model = _recipe_model(recipe, run_dir, stub)
     per_role = ("mas_policies=per_role_models",) if recipe == "at_grpo_cpu" else ()  # as a new user tried it
     vllm_model = _recipe_model(recipe, run_dir, stub, "cpu_rollout=vllm", *per_role)
@@ -165,3 +168,11 @@ def test_the_cpu_recipes_build_a_model_the_selected_rollout_serves(recipe: str, 
     # Hydra's other spellings of the choice select the same model.
     for override in ("+cpu_rollout=vllm", "actor_rollout_ref.rollout.name=vllm"):
         assert _recipe_model(recipe, run_dir, stub, override) == vllm_model
+    # vLLM's thread binding (recipes/cpu_common.sh): left to vLLM at tensor parallel 1 (the call above), to the OS
+    # at tensor parallel 2 (vLLM would refuse two TP workers on a machine of one NUMA node), a user's own kept.
+    binding = run_dir / "main_ppo_thread_binding"
+    assert binding.read_text() == "unset"
+    tp2 = ("cpu_rollout=vllm", "actor_rollout_ref.rollout.tensor_model_parallel_size=2")
+    assert _recipe_model(recipe, run_dir, stub, *tp2) == vllm_model and binding.read_text() == "nobind"
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    assert _recipe_model(recipe, run_dir, stub, *tp2) == vllm_model and binding.read_text() == "0|1"
