@@ -89,13 +89,12 @@ def probe() -> str:
 
 
 def test_verl_sees_the_cpu_vllm_and_the_plugin_keeps_linear_weights_for_weight_sync(probe: str) -> None:
-    out = probe
-    print(out)
-    assert "verl sees vllm 0.24.0+cpu cpu True" in out
-    assert "entry point ['verl_mas.backends.vllm.plugin:register']" in out
-    assert "stock weight shape (0,)" in out and "kept weight shape (8, 32)" in out
-    diff = float(out.split("max diff after sync")[1].split()[0])
-    assert diff < 1e-4, out
+    print(probe)
+    assert "verl sees vllm 0.24.0+cpu cpu True" in probe
+    assert "entry point ['verl_mas.backends.vllm.plugin:register']" in probe
+    assert "stock weight shape (0,)" in probe and "kept weight shape (8, 32)" in probe
+    diff = float(probe.split("max diff after sync")[1].split()[0])
+    assert diff < 1e-4, probe
 
 
 #: Bytes of one full weight sync of the recipe's model for vLLM with relay-v0's vocabulary (82 tokens), in fp32: the
