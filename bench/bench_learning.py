@@ -298,6 +298,19 @@ MIN_SEEDS = 3
 RECORDS = {"together": ("together", "swapped"), "alone": ("scout alone", "walker alone", "alone")}
 
 
+def still_to_run(recorded: dict[str, dict[int, dict[str, float]]], configs: list[str],
+                 seeds: list[int]) -> dict[str, list[int]]:
+    """Per configuration of ``configs``, the seeds of ``seeds`` it has no record for (for ``together`` and ``alone``
+    the last record their run writes, :data:`RECORDS`: one stopped before it runs again)."""
+    out = {}
+    for config in configs:
+        last = RECORDS.get(config, (config,))[-1]
+        missing = [seed for seed in seeds if seed not in recorded.get(last, {})]
+        if missing:
+            out[config] = missing
+    return out
+
+
 def _commit() -> str:
     """The checkout's commit, ``+dirty`` when tracked code or recipe files differ from it (not the recorded results,
     which the runs of a series append to while the next ones start)."""
@@ -456,9 +469,12 @@ def main() -> None:
     series = (f"{args.workflow}, {steps} steps, K={k}, recipe settings {settings}; {args.results.name} has "
               f"{sum(map(len, recorded.values()))} records of these" + (f" and {other} of other settings (left out)"
                                                                        if other else ""))
+    todo = still_to_run(recorded, configs, args.seeds) if not args.rerun else {c: list(args.seeds) for c in configs}
     if args.summary:
         print(series)
         print(markdown(recorded, steps) if args.markdown else summary(recorded))
+        print("\nnot recorded yet (seeds " + ", ".join(map(str, args.seeds)) + "): "
+              + ("; ".join(f"{c} {', '.join(map(str, s))}" for c, s in todo.items()) or "none"))
         return
 
     if args.work is not None and args.rerun and args.work.exists() and any(args.work.iterdir()):
@@ -494,12 +510,11 @@ def main() -> None:
         recorded.setdefault(name, {})[seed] = figures
 
     for seed in args.seeds:
-        todo = [c for c in configs if args.rerun or seed not in recorded.get(RECORDS.get(c, (c,))[-1], {})]
         for c in configs:
-            if c not in todo:
+            if seed not in todo.get(c, ()):
                 print(f"{c:>14} | {seed:>4} | recorded in {args.results.name}", flush=True)
-        if todo:
-            run_seed(args.workflow, todo, seed, steps, k, work, report, args.checkpoint_every)
+        if runs := [c for c in configs if seed in todo.get(c, ())]:
+            run_seed(args.workflow, runs, seed, steps, k, work, report, args.checkpoint_every)
     print()
     print(summary(recorded))
 

@@ -1,0 +1,84 @@
+"""bench/bench_learning.py's verdicts: the paired comparisons the docs quote, the records they are read from, and
+what the series still has to run.
+
+The table in docs/algorithm.md says "above by more than the spread" from these functions; the expectations below
+are worked out by hand from the definitions in the module (the paired difference per seed, its mean, the larger of
+the two configurations' sample standard deviations across seeds).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from test_bench_resume import bench
+
+
+def _results(first: list[float], second: list[float], column: str = "greedy@end") -> dict:
+    return {"at_grpo": {s: {column: v} for s, v in enumerate(first)},
+            "traj_grpo": {s: {column: v} for s, v in enumerate(second)}}
+
+
+def _only(results: dict) -> dict:
+    (row,) = [c for c in bench.comparisons(results) if (c["first"], c["second"]) == ("at_grpo", "traj_grpo")]
+    return row
+
+
+def test_a_gap_on_every_seed_larger_than_the_spread_is_a_yes() -> None:
+    row = _only(_results([1.0, 0.8, 0.9], [0.2, 0.4, 0.3]))
+    assert row["seeds"] == [0, 1, 2]
+    assert row["diffs"] == pytest.approx([0.8, 0.4, 0.6])
+    assert row["mean"] == pytest.approx(0.6)
+    assert row["spread"] == pytest.approx(0.1)  # stdev of (1.0, 0.8, 0.9) and of (0.2, 0.4, 0.3): both 0.1
+    assert row["verdict"] == "yes"
+
+
+def test_a_mean_gap_within_the_spread_or_one_seed_reversed_is_a_no() -> None:
+    # +0.1 on every seed, but the first configuration's seeds spread by 0.4
+    within = _only(_results([1.0, 0.2, 0.6], [0.9, 0.1, 0.5]))
+    assert within["mean"] == pytest.approx(0.1) and within["spread"] == pytest.approx(0.4)
+    assert within["verdict"] == "no"
+    # a mean gap above the spread, but seed 1 goes the other way
+    reversed_seed = _only(_results([0.9, 0.8, 0.9], [0.1, 0.85, 0.1]))
+    assert reversed_seed["diffs"] == pytest.approx([0.8, -0.05, 0.8])
+    assert reversed_seed["mean"] == pytest.approx(1.55 / 3)
+    assert reversed_seed["spread"] == pytest.approx(math.sqrt(0.1875))  # stdev of (0.1, 0.85, 0.1); (0.9, 0.8, 0.9): 0.058
+    assert reversed_seed["mean"] > reversed_seed["spread"]
+    assert reversed_seed["verdict"] == "no"
+
+
+def test_fewer_than_three_paired_seeds_give_no_verdict_and_unpaired_seeds_are_left_out() -> None:
+    results = _results([1.0, 0.9], [0.0, 0.1])
+    results["traj_grpo"][5] = {"greedy@end": 0.0}  # no at_grpo run of seed 5: not paired
+    row = _only(results)
+    assert row["seeds"] == [0, 1]
+    assert row["verdict"] == "2 seed(s): too few for a verdict"
+
+
+def test_records_of_other_settings_are_counted_and_left_out_and_a_seed_recorded_again_keeps_its_last(
+        tmp_path: Path) -> None:
+    def rec(config: str, seed: int, value: float, settings: str = "aaa", steps: int = 200) -> str:
+        return json.dumps({"workflow": "gridwalk-v0", "config": config, "seed": seed, "steps": steps, "k": 8,
+                           "settings": settings, "figures": {"greedy@end": value}})
+
+    path = tmp_path / "r.jsonl"
+    path.write_text("\n".join([rec("at_grpo", 0, 0.5), rec("at_grpo", 0, 0.75), rec("at_grpo", 1, 1.0, "bbb"),
+                               rec("at_grpo", 2, 1.0, steps=40), ""]) + "\n")
+    results, other = bench.read_results(path, "gridwalk-v0", 200, 8, "aaa")
+    assert results == {"at_grpo": {0: {"greedy@end": 0.75}}}
+    assert other == 1  # seed 1's other settings; seed 2's 40 steps are another workflow length, not counted
+
+    path.write_text(rec("at_grpo", 0, 0.5) + "\n{\"config\": \"at_grpo\"}\n")
+    with pytest.raises(SystemExit, match=r"r.jsonl:2 is not a bench_learning record"):
+        bench.read_results(path, "gridwalk-v0", 200, 8, "aaa")
+
+
+def test_what_is_still_to_run_goes_by_the_last_record_a_configuration_writes() -> None:
+    recorded = {"at_grpo": {0: {}, 1: {}, 2: {}}, "parallel": {1: {}},
+                "together": {0: {}, 1: {}}, "swapped": {0: {}},  # seed 1 stopped after together, before swapped
+                "scout alone": {0: {}}, "walker alone": {0: {}}}  # seed 0's two runs, not yet combined
+    todo = bench.still_to_run(recorded, ["at_grpo", "parallel", "together", "alone", "single"], [0, 1, 2])
+    assert todo == {"parallel": [0, 2], "together": [1, 2], "alone": [0, 1, 2], "single": [0, 1, 2]}
