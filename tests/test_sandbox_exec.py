@@ -139,16 +139,13 @@ async def test_pool_bounds_concurrency_without_blocking_the_loop(work_root):
     try:
         await small.start()
         program = "import time\nt0 = time.time()\ntime.sleep(1.0)\nprint(t0, time.time())\n"
-        gaps: list[float] = []
+        ticks: list[float] = []
         stop = asyncio.Event()
 
         async def ticker():
-            last = time.monotonic()
             while not stop.is_set():
                 await asyncio.sleep(0.01)
-                now = time.monotonic()
-                gaps.append(now - last)
-                last = now
+                ticks.append(time.time())  # the programs' clock: CLOCK_REALTIME, not namespaced
 
         tick = asyncio.create_task(ticker())
         results = await asyncio.gather(*(small.run_python(program) for _ in range(6)))
@@ -158,8 +155,11 @@ async def test_pool_bounds_concurrency_without_blocking_the_loop(work_root):
         # At any program's start, count the programs running: never more than pool_size = 2.
         overlap = max(sum(s <= t < e for s, e in spans) for t, _ in spans)
         assert overlap <= 2
-        # The loop kept ticking: waiting on a run inside the loop would show a gap of >= 1 s (its sleep).
-        assert max(gaps) < 0.5
+        # The loop kept running while programs ran: a run waited on inside the loop blocks it from a program's
+        # start to its end, so no tick would fall inside any program's second of sleep. Counted per program, not as
+        # a largest gap, so that a loaded machine starving this process for a second (seen: 1.3 s) cannot fail it.
+        inside = sum(any(s < t < e for t in ticks) for s, e in spans)
+        assert inside >= len(spans) // 2, f"ticks inside {inside} of {len(spans)} programs' runs"
     finally:
         small.close()
 
