@@ -157,7 +157,7 @@ async def test_pool_bounds_concurrency_without_blocking_the_loop(work_root):
         assert overlap <= 2
         # The loop kept running while programs ran: a run waited on inside the loop blocks it from a program's
         # start to its end, so no tick would fall inside any program's second of sleep. Counted per program, not as
-        # a largest gap, so that a loaded machine starving this process for a second (seen: 1.3 s) cannot fail it.
+        # a largest gap, so that one second of this process starved on a loaded machine (seen: 1.3 s) does not fail it.
         inside = sum(any(s < t < e for t in ticks) for s, e in spans)
         assert inside >= len(spans) // 2, f"ticks inside {inside} of {len(spans)} programs' runs"
     finally:
