@@ -14,8 +14,9 @@ for several seeds (the seed sets the tiny model's initialisation, the data order
 - ``together`` (gridwalk-v0): AT-GRPO with one model per role (``mas_policies=per_role_models``), both trained; its
   two trained models are also evaluated **swapped** between the roles (the paper's specialisation check);
 - ``alone`` (gridwalk-v0): each role trained with its partner frozen at initialisation (the same per-role run with
-  the partner's learning rate 0, so its samples, rewards and updates are as in ``together``), then the two trained
-  roles combined: the scout of the scout's run with the walker of the walker's run;
+  ``mas.policies.<partner>.frozen=true``: the partner serves its role and takes no optimiser step, so the trained
+  role's samples, rewards and updates are as in ``together``), then the two trained roles combined: the scout of
+  the scout's run with the walker of the walker's run;
 - ``single`` (gridwalk-v0): ``gridwalk-single-v0`` (one walker that sees what both roles see) with GRPO (2K
   independent episodes per task, trajectory groups: the team's 2 roles x K samples per turn).
 
@@ -267,7 +268,7 @@ def run_seed(workflow: str, configs: list[str], seed: int, steps: int, k: int, w
         elif name == "alone":
             models, wall, resumed = {}, 0.0, []
             for i, role in enumerate(roles):
-                frozen = [f"+mas.policies.{other}.actor.optim.lr=0.0" for other in roles if other != role]
+                frozen = [f"+mas.policies.{other}.frozen=true" for other in roles if other != role]
                 rows, w, r = run(f"alone-{role}-seed{seed}", [*ablation("at_grpo", k), *save, *frozen])
                 wall += w
                 resumed += r

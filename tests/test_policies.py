@@ -57,6 +57,28 @@ def test_a_policy_may_have_a_resource_pool_of_its_own() -> None:
     assert "mas.policies.judge.resources is {'n_gpus_per_node': 0}" in message
 
 
+def test_a_policy_may_be_frozen_while_another_trains() -> None:
+    from verl_mas.policies.adapters import shared_base_plan
+
+    mas = MasConfig.from_mapping({**TWO, "policies": {"caller": {}, "runner": {"frozen": True}}})
+    assert mas.frozen_policies == ["runner"] and not mas.policy_frozen("caller")
+    arr = OmegaConf.create({"model": {"path": "a"}, "actor": {}, "rollout": {"custom": None}, "ref": {}})
+    assert "frozen" not in policy_configs(arr, mas)["runner"]  # not part of actor_rollout_ref
+    # On a shared LoRA base the key is not an adapter override (which the plan would check against the first's).
+    lora = MasConfig.from_mapping({**TWO, "policies": {"caller": {"model": {"lora_rank": 8}},
+                                                      "runner": {"model": {"lora_rank": 8}, "frozen": True}}})
+    assert lora.frozen_policies == ["runner"]
+    assert shared_base_plan(lora, policy_configs(_lora_arr(), lora))[1] == []
+    with pytest.raises(MasConfigError) as err:
+        MasConfig.from_mapping({**TWO, "policies": {"caller": {"frozen": "yes"}, "runner": {}}})
+    assert "mas.policies.caller.frozen is 'yes'; it must be true or false." in str(err.value)
+    # Nothing left to train: every policy frozen, of several or of one.
+    for policies in ({"caller": {"frozen": True}, "runner": {"frozen": True}}, {"default": {"frozen": True}}):
+        block = {**TWO, "policies": policies} if len(policies) == 2 else {"policies": policies}
+        with pytest.raises(MasConfigError, match="is frozen, so nothing would train"):
+            MasConfig.from_mapping(block)
+
+
 def test_routing_one_policy_serves_unlisted_roles_several_need_every_role() -> None:
     shared = RoleRouter.from_mas(MasConfig())
     assert shared.policy_of("anyone") == "default" and not shared.multi_policy

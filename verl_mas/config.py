@@ -33,7 +33,8 @@ from typing import Any
 from verl_mas.advantage.groups import GROUPING_MODES
 from verl_mas.settings import EpisodeConfig, EpisodeSettings
 
-__all__ = ["ABLATIONS", "MAS_TRAINER_MARK", "ablation", "MasConfig", "MasConfigError", "mas_trainer_selected"]
+__all__ = ["ABLATIONS", "MAS_TRAINER_MARK", "ablation", "actor_rollout_ref_overrides", "MasConfig", "MasConfigError",
+           "mas_trainer_selected"]
 
 #: ``mas.sampling`` values: K candidates per node of one episode, or K independent episodes per task.
 SAMPLINGS = ("tree", "parallel")
@@ -46,6 +47,10 @@ DEFAULT_POLICY = "default"
 POLICY_BLOCKS = ("model", "actor", "rollout", "ref")
 #: A policy's own placement (not part of actor_rollout_ref): ``resources: {n_gpus_per_node: N, nnodes: M}``.
 POLICY_RESOURCES = "resources"
+#: A policy that serves its roles but takes no optimiser step (not part of actor_rollout_ref): ``frozen: true``.
+POLICY_FROZEN = "frozen"
+#: A policy's settings of its own, next to its actor_rollout_ref overrides (:func:`actor_rollout_ref_overrides`).
+POLICY_OWN_KEYS = (POLICY_RESOURCES, POLICY_FROZEN)
 #: A policy name (it names Ray actors and checkpoint folders).
 POLICY_NAME = re.compile(r"[A-Za-z][A-Za-z0-9-]{0,31}")
 #: Settings a role may have under ``mas.roles.<role>``.
@@ -70,6 +75,12 @@ def ablation(name: str, k: int = 4) -> tuple[str, ...]:
     (parallel), so that every configuration draws the same number of samples per task."""
     return tuple(o.replace("mas.branching=4", f"mas.branching={k}").replace("rollout.n=4", f"rollout.n={k}")
                  for o in ABLATIONS[name])
+
+
+def actor_rollout_ref_overrides(overrides: Mapping[str, Any] | None) -> dict[str, Any]:
+    """A ``mas.policies.<name>`` entry without the policy's own settings (:data:`POLICY_OWN_KEYS`): what it
+    overrides of the recipe's ``actor_rollout_ref``."""
+    return {k: v for k, v in (overrides or {}).items() if k not in POLICY_OWN_KEYS}
 
 
 class MasConfigError(ValueError):
@@ -121,7 +132,12 @@ class MasConfig(EpisodeSettings):
     """The models that serve roles: ``{name: overrides}``, each override a partial ``actor_rollout_ref``
     (``model``, ``actor``, ``rollout``, ``ref`` blocks) applied on top of the recipe's. The first policy
     runs in verl's own actor/rollout stack; every further one gets its own worker group, rollout
-    servers and weight sync, on verl's pool or, with ``resources: {n_gpus_per_node: N}``, on its own."""
+    servers and weight sync, on verl's pool or, with ``resources: {n_gpus_per_node: N}``, on its own.
+    ``frozen: true`` keeps a policy at its initial weights while the others train (a fixed partner: the
+    paper's roles trained alone): its roles act, its rows are grouped, scored and go through log-probs (its
+    rollout-vs-actor gap and entropy are logged as any policy's), but it takes no optimiser step, so it logs
+    no ``policy/<name>/actor/*`` update metrics; its weight sync and checkpoints go on unchanged. At least
+    one policy must train."""
     per_role: Mapping[str, Any] | None = None
     """One policy per role of the data's workflows, without listing roles: ``{model: ..., actor: ...}``, the
     overrides every such policy gets (``{}``: the recipe's model, trained once per role). At start-up each role
@@ -213,14 +229,24 @@ class MasConfig(EpisodeSettings):
             if not isinstance(overrides, Mapping):
                 out.append(f"mas.policies.{name} is {overrides!r}; it must be a mapping of actor_rollout_ref overrides.")
                 continue
-            unknown = sorted(set(overrides) - set(POLICY_BLOCKS) - {POLICY_RESOURCES})
+            unknown = sorted(set(overrides) - set(POLICY_BLOCKS) - set(POLICY_OWN_KEYS))
             if unknown:
                 out.append(
                     f"mas.policies.{name} sets {unknown}; a policy overrides blocks of actor_rollout_ref "
                     f"{list(POLICY_BLOCKS)} (e.g. model: {{path: ...}}, actor: {{optim: {{lr: ...}}}}) and may "
-                    f"set {POLICY_RESOURCES}: {{n_gpus_per_node: N}} for a resource pool of its own."
+                    f"set {POLICY_RESOURCES}: {{n_gpus_per_node: N}} for a resource pool of its own and "
+                    f"{POLICY_FROZEN}: true to keep it at its initial weights."
                 )
             out.extend(self._resource_problems(name, overrides.get(POLICY_RESOURCES)))
+            if not isinstance(overrides.get(POLICY_FROZEN, False), bool):
+                out.append(f"mas.policies.{name}.{POLICY_FROZEN} is {overrides[POLICY_FROZEN]!r}; it must be true or "
+                           "false.")
+        if self.policies and all(self.policy_frozen(name) for name in self.policies):
+            out.append(
+                f"every policy of mas.policies {list(self.policies)} is frozen, so nothing would train. Leave at "
+                f"least one policy without {POLICY_FROZEN}: true; to measure fixed models, evaluate them instead "
+                "(python -m verl_mas.evaluate, or trainer.val_only=true)."
+            )
         used = set()
         if not isinstance(self.roles, Mapping):
             return out + [f"mas.roles is {self.roles!r}; it must map role names to {{policy: <name>}}."]
@@ -276,6 +302,16 @@ class MasConfig(EpisodeSettings):
         if not resources:
             return None
         return [int(resources["n_gpus_per_node"])] * int(resources.get("nnodes", 1))
+
+    def policy_frozen(self, name: str) -> bool:
+        """Whether the policy takes no optimiser step (``mas.policies.<name>.frozen: true``)."""
+        overrides = self.policies.get(name) if isinstance(self.policies, Mapping) else None
+        return isinstance(overrides, Mapping) and overrides.get(POLICY_FROZEN, False) is True
+
+    @property
+    def frozen_policies(self) -> list[str]:
+        """The policies that take no optimiser step, in declaration order."""
+        return [name for name in self.policy_names if self.policy_frozen(name)]
 
     @property
     def policy_names(self) -> list[str]:

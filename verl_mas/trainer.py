@@ -98,8 +98,9 @@ class MasTrainer(MultiPolicyTrainer, PPOTrainerSync):
         mini-batch size is set for the call to what verl's asserts accept for this batch.
         """
         trained = self._training_rows(batch)
-        if trained is not None:
-            self._per_policy(trained, metrics, lambda v, b, m: v._update_policy_actor(b, m), "update_actor")
+        if trained is not None:  # a frozen policy (mas.policies.<p>.frozen) takes no optimiser step
+            self._per_policy(trained, metrics, lambda v, b, m: v._update_policy_actor(b, m), "update_actor",
+                             skip=self.mas.frozen_policies)
         return batch
 
     def _get_required_batch_multiple(self, dp_size: int) -> int:

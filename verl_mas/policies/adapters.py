@@ -29,7 +29,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from verl_mas.config import LORA_BASES
+from verl_mas.config import LORA_BASES, actor_rollout_ref_overrides
 
 __all__ = ["ADAPTER_SEP", "ADAPTERS_KEY", "FIRST_ADAPTER", "LORA_BASES", "REFUSED_PER_ADAPTER", "SHARED_BASE_OVERRIDES",
            "adapter_plan", "adapter_tensor_name", "lora_rank", "rollout_adapters", "shared_base_plan",
@@ -143,7 +143,7 @@ def shared_base_plan(mas: Any, configs: Mapping[str, Any]) -> tuple[dict[str, di
     first = configs[names[0]]
     for name in names:
         cfg = configs[name]
-        overrides = {k: v for k, v in (mas.policies.get(name) or {}).items() if k != "resources"}
+        overrides = actor_rollout_ref_overrides(mas.policies.get(name))
         for dotted in _dotted(overrides):
             value, first_value = _select(cfg, dotted), _select(first, dotted)
             if dotted in REFUSED_PER_ADAPTER:

@@ -12,7 +12,7 @@ import copy
 from collections.abc import Mapping
 from typing import Any
 
-from verl_mas.config import POLICY_RESOURCES, MasConfig, MasConfigError
+from verl_mas.config import MasConfig, MasConfigError, actor_rollout_ref_overrides
 
 __all__ = ["POLICY_AWARE_ROLLOUTS", "ROLLOUT_POLICY_KEY", "SHARED_ROLLOUT_KEYS", "policy_configs",
            "policy_configs_and_problems", "pool_memory_problems", "rollout_policy", "shared_rollout_problems"]
@@ -73,7 +73,7 @@ def policy_configs_and_problems(actor_rollout_ref: Any, mas: MasConfig) -> tuple
     for i, (name, overrides) in enumerate(mas.policies.items()):
         if overrides is not None and not isinstance(overrides, Mapping):
             continue  # reported by MasConfig.problems()
-        overrides = {k: v for k, v in (overrides or {}).items() if k != POLICY_RESOURCES}
+        overrides = actor_rollout_ref_overrides(overrides)
         problems.extend(_unknown_keys(base, overrides, name))
         merged = OmegaConf.merge(OmegaConf.create(copy.deepcopy(base)), OmegaConf.create(overrides))
         if i > 0:

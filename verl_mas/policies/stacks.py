@@ -12,9 +12,10 @@ policy for balancing, log-probs and updates (:meth:`MultiPolicyTrainer._per_poli
 *view* of the trainer), sync and sleep every policy's rollout, and save/load every policy with the step
 (the first in ``actor/`` as verl does, the others in ``actor_<policy>/``). LoRA policies on one shared base
 (:mod:`verl_mas.policies.adapters`) get no stack of their own: each is an adapter in the first policy's worker
-group and rollout, activated before its log-probs and update. Metrics of a per-policy
-computation are logged as ``policy/<name>/<metric>``; verl's own names carry the mean over policies. With
-one policy every hook is verl's own behaviour.
+group and rollout, activated before its log-probs and update. A frozen policy (``frozen: true``) is served,
+synced, checkpointed and goes through log-probs like the others, and left out of the update. Metrics of a
+per-policy computation are logged as ``policy/<name>/<metric>``; verl's own names carry the mean over policies.
+With one policy every hook is verl's own behaviour.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import logging
 import os
 import sys
 from collections import defaultdict
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -127,6 +129,9 @@ class MultiPolicyTrainer:
                     del_local_after_load=self.config.trainer.del_local_ckpt_after_load,
                 )
                 logger.info("policy %s resumed from %s", name, self._resume_folder)
+        for name in self.mas.frozen_policies:
+            logger.info("policy %s is frozen (mas.policies.%s.frozen): it serves its roles and takes no optimiser step",
+                        name, name)
 
     def _build_policy_stack(self, name: str, arr: Any) -> PolicyStack:
         """One more trainable model: worker group (on verl's pool, or its own with ``resources``), rollout
@@ -260,8 +265,9 @@ class MultiPolicyTrainer:
         view.ref_in_actor = stack.ref_in_actor
         return view
 
-    def _per_policy(self, batch: Any, metrics: dict, method: Any, phase: str) -> Any:
-        """Run ``method(view, sub_batch, metrics)`` for every policy on its own rows; merge the metrics.
+    def _per_policy(self, batch: Any, metrics: dict, method: Any, phase: str, skip: Collection[str] = ()) -> Any:
+        """Run ``method(view, sub_batch, metrics)`` for every policy but those in ``skip`` on its own rows; merge
+        the metrics.
 
         Policies sharing a resource pool run one after another (they share the GPUs' memory); a policy on
         a pool of its own runs concurrently with them. ``mas/policies/<phase>_concurrency`` is the sum of
@@ -274,7 +280,7 @@ class MultiPolicyTrainer:
 
         lanes: dict[str, list[str]] = defaultdict(list)
         for name in self.mas.policy_names:
-            if self._policy_keys.get(name):
+            if self._policy_keys.get(name) and name not in skip:
                 lanes[self.stacks[name].pool].append(name)
         per_policy: dict[str, dict] = {name: {} for lane in lanes.values() for name in lane}
         durations: dict[str, float] = {}
