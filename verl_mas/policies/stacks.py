@@ -12,10 +12,9 @@ policy for balancing, log-probs and updates (:meth:`MultiPolicyTrainer._per_poli
 *view* of the trainer), sync and sleep every policy's rollout, and save/load every policy with the step
 (the first in ``actor/`` as verl does, the others in ``actor_<policy>/``). LoRA policies on one shared base
 (:mod:`verl_mas.policies.adapters`) get no stack of their own: each is an adapter in the first policy's worker
-group and rollout, activated before its log-probs and update. A frozen policy (``frozen: true``) is served,
-synced, checkpointed and goes through log-probs like the others, and left out of the update. Metrics of a
-per-policy computation are logged as ``policy/<name>/<metric>``; verl's own names carry the mean over policies.
-With one policy every hook is verl's own behaviour.
+group and rollout, activated before its log-probs and update; a frozen policy (``frozen: true``) is left out of
+the update only. Metrics of a per-policy computation are logged as ``policy/<name>/<metric>``; verl's own names
+carry the mean over policies. With one policy every hook is verl's own behaviour.
 """
 
 from __future__ import annotations
@@ -130,8 +129,7 @@ class MultiPolicyTrainer:
                 )
                 logger.info("policy %s resumed from %s", name, self._resume_folder)
         for name in self.mas.frozen_policies:
-            logger.info("policy %s is frozen (mas.policies.%s.frozen): it serves its roles and takes no optimiser step",
-                        name, name)
+            logger.info("policy %s is frozen: it serves its roles and takes no optimiser step", name)
 
     def _build_policy_stack(self, name: str, arr: Any) -> PolicyStack:
         """One more trainable model: worker group (on verl's pool, or its own with ``resources``), rollout
@@ -266,8 +264,7 @@ class MultiPolicyTrainer:
         return view
 
     def _per_policy(self, batch: Any, metrics: dict, method: Any, phase: str, skip: Collection[str] = ()) -> Any:
-        """Run ``method(view, sub_batch, metrics)`` for every policy but those in ``skip`` on its own rows; merge
-        the metrics.
+        """Run ``method(view, sub_batch, metrics)`` for every policy not in ``skip`` on its rows; merge the metrics.
 
         Policies sharing a resource pool run one after another (they share the GPUs' memory); a policy on
         a pool of its own runs concurrently with them. ``mas/policies/<phase>_concurrency`` is the sum of
