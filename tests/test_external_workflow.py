@@ -103,8 +103,9 @@ def test_each_ablation_groups_as_documented_through_main_ppo(trio_run) -> None:
 
 
 def test_a_frozen_policy_serves_its_role_and_takes_no_step(trio_run) -> None:
-    """docs/policies.md, "A frozen policy": the reviser acted and went through log-probs (its rollout-vs-actor gap is
-    checked with the others' above) but took no optimiser step; the two trained adapters did."""
+    """docs/policies.md (``frozen: true``, under "What a policy is"): the reviser acted and went through log-probs
+    (its rollout-vs-actor gap is checked with the others' above) but took no optimiser step; the two trained adapters
+    did."""
     from safetensors.torch import load_file
 
     _, d, run_dir = trio_run
