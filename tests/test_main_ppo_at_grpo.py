@@ -66,8 +66,9 @@ def test_at_grpo_trains_a_two_role_workflow_through_main_ppo(tmp_path: Path, rec
                     "mas/group/size_mean", "mas/group/zero_std_frac", "mas/group/singleton_frac", "mas/infra_failures"):
             assert key in d, key
         # Tree sampling with K=8 and no infrastructure failure: every (task, role, turn) group has 8 members
-        # (the one-prompt-per-group check ran on this batch, or the step would have raised).
+        # (the one-prompt-per-group check ran on this batch, or the step would have raised), sampled from 1 prompt.
         assert d["mas/group/size_mean"] == 8.0 and d["mas/group/singleton_frac"] == 0.0
+        assert d["mas/group/prompts_mean"] == 1.0
         # The zero-variance groups left verl's log-probs and update, not its data metrics: critic/score/mean is
         # the mean reward of every row (mas/reward/mean, computed before the drop; it was the kept rows' mean,
         # 0.138 against 0.03-0.05, when the drop removed rows from verl's batch), and perf/total_num_tokens
@@ -170,13 +171,19 @@ def test_every_documented_ablation_runs_through_main_ppo(tmp_path: Path, name: s
     d = m["data"]
     print(f"[main-ppo-ablation] {name} on gridwalk-v0: groups={d['mas/group/count']:.0f} "
           f"size={d['mas/group/size_mean']:.2f} singletons={d['mas/group/singleton_frac']:.2f} "
-          f"zero_std={d['mas/group/zero_std_frac']:.2f} episodes={d['mas/episodes']:.0f} "
+          f"zero_std={d['mas/group/zero_std_frac']:.2f} prompts={d['mas/group/prompts_mean']:.2f} "
+          f"episodes={d['mas/episodes']:.0f} "
           f"success={d['mas/success_rate']:.3f} moves={d['mas/gridwalk/moves']:.2f} "
           f"bumps={d['mas/gridwalk/bumps']:.2f} "
           f"rollout_probs_diff={recipe_runs.gap(d):.1e}")
     assert recipe_runs.gap(d) < 1e-6 and d["mas/infra_failures"] == 0.0
     # (task, role, turn) groups of the 4 episodes' single candidates: never more than 4 members.
     assert d["mas/episodes"] == 4 * tasks and 1.0 <= d["mas/group/size_mean"] <= 4.0
+    # The episodes diverge: from the scouts' first proposals on (the walker reads its scout's; after the first moves
+    # the walkers stand in different cells) a (task, role, turn) group holds members of different prompts, so its
+    # mean mixes states (the tree's groups never do: 1.0 in the AT-GRPO run). At turn 0 the scouts' group shares
+    # the level's prompt, so the mean stays below the group size.
+    assert 1.0 < d["mas/group/prompts_mean"] < d["mas/group/size_mean"]
     # gridwalk's episodes: one move a turn, the scout and the walker each acting once a turn, within the budget
     # (2-6 moves); a random tiny model rarely walks a shortest path.
     assert 2.0 <= d["mas/gridwalk/moves"] <= 6.0

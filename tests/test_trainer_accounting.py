@@ -8,6 +8,7 @@ from collections import defaultdict
 import numpy as np
 import pytest
 
+from verl_mas.advantage.groups import prompts_per_group
 from verl_mas.config import MasConfig
 from verl_mas.rows import CandidateRow
 from verl_mas.trainer import SampledPrompts, assign_groups, mas_metrics, tune_replay_buffer
@@ -142,10 +143,28 @@ def test_an_agent_loop_error_reaches_the_trainer_through_the_jobs_error_log() ->
 
 
 def _row(role: str, reward: float, *, committed: bool, team: float = float("nan"), local: float = float("nan"),
-         index: int = 1) -> CandidateRow:
+         index: int = 1, prompt: int = 0) -> CandidateRow:
     return CandidateRow(workflow="w", role=role, turn=0, policy="default", reward=reward, team_reward=team,
-                        local_reward=local, committed=committed, prompt_hash=0,
+                        local_reward=local, committed=committed, prompt_hash=prompt,
                         episode_index=index, episode_metrics={"mas/success": 0.0})
+
+
+def test_prompts_per_group_counts_the_states_a_groups_baseline_mixes() -> None:
+    # Group 0 holds prompts 7, 7, 9 (two states), group 1 prompts 5, 5 (one): (2 + 1) / 2.
+    assert prompts_per_group(np.array([0, 0, 0, 1, 1]), [7, 7, 9, 5, 5]) == 1.5
+    assert prompts_per_group(np.array([0, 0, 1, 1]), [3, 3, 3, 3]) == 1.0  # one prompt in two groups: 1 in each
+    assert prompts_per_group(np.array([], dtype=np.int64), []) == 0.0
+    # In the step's metrics, over the real rows: K=2 independent episodes whose walkers stand apart at turn 0 of
+    # role a (prompts 1 and 2), and role b's two members on one prompt; a padding row (verl copies a real row) with
+    # a third prompt in role b's group does not count.
+    rows = [_row("a", 1.0, committed=True, prompt=1, index=0), _row("a", 0.0, committed=True, prompt=2, index=0),
+            _row("b", 0.5, committed=True, prompt=4), _row("b", 0.5, committed=True, prompt=4),
+            _row("b", 0.5, committed=True, prompt=8)]
+    padding = np.array([False, False, False, False, True])
+    parallel = MasConfig(sampling="parallel", branching=1)
+    groups = assign_groups(rows, ["t"] * 5, padding, parallel, episodes=["t_0", "t_1", "t_0", "t_1", "t_1"])
+    out = mas_metrics(rows, groups, padding, ["t_0", "t_1", "t_0", "t_1", "t_1"])
+    assert out["mas/group/count"] == 2 and out["mas/group/prompts_mean"] == 1.5
 
 
 def test_per_role_metrics_split_the_reward_and_follow_the_committed_candidates() -> None:

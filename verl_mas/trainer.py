@@ -50,6 +50,7 @@ from verl_mas.advantage.groups import (
     group_invariant_problems,
     group_key,
     group_stats,
+    prompts_per_group,
     signal_rows,
 )
 from verl_mas.config import MasConfig
@@ -384,6 +385,7 @@ def mas_metrics(
     roles, turns, rewards, ids = groups.roles, groups.turns, groups.rewards, groups.ids
     real = ~padding
     out = group_stats(ids[real], rewards[real]).as_metrics()
+    out["mas/group/prompts_mean"] = prompts_per_group(ids[real], [rows[i].prompt_hash for i in np.flatnonzero(real)])
     # Every row's score, as verl's critic/score/mean reads it (before any row is dropped from the update).
     out["mas/reward/mean"] = float(rewards[real].mean()) if real.any() else 0.0
     by_role: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))

@@ -27,6 +27,7 @@ __all__ = [
     "group_key",
     "group_stats",
     "prompt_mismatches",
+    "prompts_per_group",
     "signal_rows",
 ]
 
@@ -205,6 +206,21 @@ def prompt_mismatches(ids: np.ndarray, prompt_hashes: Sequence[object] | np.ndar
     first[ids[::-1]] = hash_codes[::-1]
     bad = np.unique(ids[hash_codes != first[ids]])
     return bad[:limit].tolist()
+
+
+def prompts_per_group(ids: np.ndarray, prompt_hashes: Sequence[object] | np.ndarray) -> float:
+    """The mean over groups of how many different prompts (by prompt hash) their members were sampled from.
+
+    1.0 when every group shares one prompt (tree sampling with (task, role, turn) groups, and the first turn of
+    independent episodes); above 1 where a group's members saw different states (independent episodes after they
+    diverge, or a group spanning turns), whose mean then mixes the states it is a baseline for.
+    """
+    ids = np.asarray(ids, dtype=np.int64)
+    if ids.size == 0:
+        return 0.0
+    hash_codes, _ = _codes(prompt_hashes)
+    pairs = np.unique(np.stack([ids, hash_codes]), axis=1)  # each (group, prompt) once
+    return float(pairs.shape[1] / np.unique(ids).size)
 
 
 def group_invariant_problems(
