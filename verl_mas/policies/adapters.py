@@ -29,7 +29,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from verl_mas.config import LORA_BASES, actor_rollout_ref_overrides
+from verl_mas.config import LORA_BASES, POLICY_RESOURCES, actor_rollout_ref_overrides
 
 __all__ = ["ADAPTER_SEP", "ADAPTERS_KEY", "FIRST_ADAPTER", "LORA_BASES", "REFUSED_PER_ADAPTER", "SHARED_BASE_OVERRIDES",
            "adapter_plan", "adapter_tensor_name", "lora_rank", "rollout_adapters", "shared_base_plan",
@@ -159,9 +159,9 @@ def shared_base_plan(mas: Any, configs: Mapping[str, Any]) -> tuple[dict[str, di
                     f"once for every adapter. Give every policy the same value, {fix}. Set per adapter: "
                     f"{', '.join(SHARED_BASE_OVERRIDES[1:])}."
                 )
-        if (mas.policies.get(name) or {}).get("resources"):
-            problems.append(f"mas.policies.{name}.resources: the adapters of a shared base live in one worker group on "
-                            f"verl's pool; drop resources, {fix}.")
+        if (mas.policies.get(name) or {}).get(POLICY_RESOURCES):
+            problems.append(f"mas.policies.{name}.{POLICY_RESOURCES}: the adapters of a shared base live in one worker "
+                            f"group on verl's pool; drop {POLICY_RESOURCES}, {fix}.")
         if str(cfg.model.path) != str(first.model.path):
             problems.append(
                 f"mas.policies.{name}.model.path is {cfg.model.path!r} but {names[0]}'s is {first.model.path!r}: "
