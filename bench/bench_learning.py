@@ -501,6 +501,8 @@ def main() -> None:
         cells = " | ".join(f"{figures[c]:>11.3f}" if c in figures else f"{'-':>11}" for c in columns)
         print(f"{name:>14} | {seed:>4} | {cells} | {wall:>5.0f}s" + (f" (resumed at {resumed})" if resumed else ""),
               flush=True)
+        if recorded.get(name, {}).get(seed) == figures:
+            return  # a finished run of a configuration stopped part-way (alone's first role), taken as it was
         record = {"workflow": args.workflow, "config": name, "seed": seed, "steps": steps, "k": k,
                   "settings": settings, "figures": figures, "wall_s": round(wall, 1), "commit": commit,
                   "date": time.strftime("%Y-%m-%d", time.gmtime())}
