@@ -52,6 +52,7 @@ Usage::
     python bench/bench_learning.py --workflow gridwalk-v0     # every comparison, 200 steps, 3 seeds
     python bench/bench_learning.py --workflow gridwalk-v0 --configs at_grpo parallel --seeds 0 --steps 50
     python bench/bench_learning.py --workflow gridwalk-v0 --summary [--markdown]   # the recorded runs, nothing run
+    python bench/bench_learning.py --workflow gridwalk-v0 --summary --plot docs/figures/gridwalk_learning.png
     python bench/bench_learning.py --workflow gridwalk-v0 --configs parallel --seeds 1 --work runs/bench_w1  # stop it,
     python bench/bench_learning.py --workflow gridwalk-v0 --configs parallel --seeds 1 --work runs/bench_w1  # resumed
 
@@ -212,6 +213,51 @@ def curve(figures: dict[str, float], name: str, steps: int) -> list[tuple[int, f
               if key.startswith(f"{name}@") and key.split("@")[1].isdigit()}
     points[steps] = figures[f"{name}@end"]
     return sorted(points.items())
+
+
+def mean_curve(by_seed: dict[int, dict[str, float]], name: str,
+               steps: int) -> tuple[list[int], list[tuple[int, float]]]:
+    """The seeds whose records hold a whole held-out curve of ``name`` (greedy or sampled: an ``@all`` figure), and the
+    mean over them at each validation step (NaN at a step some of them lack)."""
+    curves = {seed: dict(curve(f, name, steps)) for seed, f in sorted(by_seed.items()) if f"{name}@all" in f}
+    points = sorted({step for c in curves.values() for step in c})
+    return list(curves), [(step, statistics.fmean(c.get(step, float("nan")) for c in curves.values()))
+                          for step in points]
+
+
+def plot(results: dict[str, dict[int, dict[str, float]]], steps: int, out: Path, title: str) -> Path:
+    """A PNG of held-out success over training, greedy and sampled side by side: per configuration the mean over its
+    seeds (a thick line, its seeds thin behind it); a configuration measured after training only (``swapped``,
+    ``alone``: evaluations of checkpoints) is a marker at the last step, at its mean over seeds."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+    colours = dict(zip(results, plt.rcParams["axes.prop_cycle"].by_key()["color"] * 3, strict=False))
+    for ax, name in zip(axes, ("greedy", "sampled"), strict=True):
+        for config, by_seed in results.items():
+            seeds, mean = mean_curve(by_seed, name, steps)
+            if seeds:
+                for seed in seeds:
+                    points = curve(by_seed[seed], name, steps)
+                    ax.plot(*zip(*points, strict=True), color=colours[config], alpha=0.25, linewidth=1)
+                ax.plot(*zip(*mean, strict=True), "o-", color=colours[config], linewidth=2,
+                        label=f"{config} (seeds {', '.join(map(str, seeds))})")
+            elif ends := [f[f"{name}@end"] for _, f in sorted(by_seed.items()) if f"{name}@end" in f]:
+                ax.plot([steps], [statistics.fmean(ends)], "D", color=colours[config], markersize=8,
+                        label=f"{config}, after training (seeds {', '.join(map(str, sorted(by_seed)))})")
+        ax.set(title=f"held-out team success, {name}", xlabel="training step", ylim=(-0.03, 1.03))
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("success rate (one candidate per node)")
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="lower center", ncol=3, fontsize=8, frameon=False)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout(rect=(0, 0.1, 1, 1))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
 
 
 def evaluate(test: Path, roles: dict[str, Path], spec: dict, work: Path) -> dict[str, float]:
@@ -414,13 +460,11 @@ def markdown(results: dict[str, dict[int, dict[str, float]]], steps: int) -> str
 
     def over_training(by_seed: dict[int, dict[str, float]]) -> str:
         """Mean held-out greedy success over the seeds with the whole curve, at each validation step."""
-        curves = {seed: curve(f, "greedy", steps) for seed, f in sorted(by_seed.items()) if "greedy@all" in f}
-        if not curves:
+        seeds, mean = mean_curve(by_seed, "greedy", steps)
+        if not seeds:
             return "-"
-        points = sorted({step for c in curves.values() for step, _ in c})
-        means = [statistics.fmean(dict(c).get(step, float("nan")) for c in curves.values()) for step in points]
-        return " / ".join(f"{m:.2f}" for m in means) + f" (steps {', '.join(map(str, points))}; seeds " \
-            f"{', '.join(map(str, curves))})"
+        return " / ".join(f"{m:.2f}" for _, m in mean) + f" (steps {', '.join(str(s) for s, _ in mean)}; seeds " \
+            f"{', '.join(map(str, seeds))})"
 
     lines = ["| configuration | seeds | held-out greedy after | held-out sampled after | held-out greedy over training "
              "| training success, last 5 steps |",
@@ -456,6 +500,8 @@ def main() -> None:
     parser.add_argument("--rerun", action="store_true", help="run configurations already recorded again")
     parser.add_argument("--summary", action="store_true", help="only print the summary of the recorded runs")
     parser.add_argument("--markdown", action="store_true", help="with --summary: as Markdown tables")
+    parser.add_argument("--plot", type=Path, default=None,
+                        help="with --summary: also write a PNG of held-out success over training per configuration")
     parser.add_argument("--work", type=Path, default=None,
                         help="the folder the runs are made in (default: a new temporary one); given the folder of an "
                              "earlier invocation that was stopped, its runs resume from their last checkpoint (every "
@@ -474,6 +520,9 @@ def main() -> None:
     if args.summary:
         print(series)
         print(markdown(recorded, steps) if args.markdown else summary(recorded))
+        if args.plot:
+            title = f"{args.workflow}, {steps} steps, K={k}, recipe settings {settings}"
+            print(f"plot: {plot(recorded, steps, args.plot, title)}")
         print("\nnot recorded yet (seeds " + ", ".join(map(str, args.seeds)) + "): "
               + ("; ".join(f"{c} {', '.join(map(str, s))}" for c, s in todo.items()) or "none"))
         return

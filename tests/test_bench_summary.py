@@ -83,3 +83,21 @@ def test_what_is_still_to_run_goes_by_the_last_record_a_configuration_writes() -
                 "scout alone": {0: {}}, "walker alone": {0: {}}}  # seed 0's two runs, not yet combined
     todo = bench.still_to_run(recorded, ["at_grpo", "parallel", "together", "alone", "single"], [0, 1, 2])
     assert todo == {"parallel": [0, 2], "together": [1, 2], "alone": [0, 1, 2], "single": [0, 1, 2]}
+
+
+def test_the_curves_average_the_seeds_at_each_validation_and_the_plot_draws_them(tmp_path: Path) -> None:
+    """The mean curve the Markdown table and the plot show: per validation step, the mean over the seeds whose record
+    holds a whole curve (an ``@all`` figure); evaluations after training only (``swapped``) have none."""
+    def run(at_40: float, end: float) -> dict:
+        return {"greedy@0": 0.0, "greedy@40": at_40, "greedy@end": end, "greedy@all": (at_40 + end) / 2,
+                "sampled@0": 0.0, "sampled@40": at_40 / 2, "sampled@end": end, "sampled@all": (at_40 / 2 + end) / 2}
+
+    results = {"at_grpo": {0: run(0.5, 1.0), 1: run(0.25, 0.75), 2: {"greedy@end": 0.0, "sampled@end": 0.0}},
+               "swapped": {0: {"greedy@end": 0.0, "sampled@end": 0.25}}}
+    # Seed 2 has no curve: left out of the mean (0.5 and 0.25 at step 40 -> 0.375; 1.0 and 0.75 at 80 -> 0.875).
+    assert bench.mean_curve(results["at_grpo"], "greedy", 80) == ([0, 1], [(0, 0.0), (40, 0.375), (80, 0.875)])
+    assert bench.mean_curve(results["at_grpo"], "sampled", 80) == ([0, 1], [(0, 0.0), (40, 0.1875), (80, 0.875)])
+    assert bench.mean_curve(results["swapped"], "greedy", 80) == ([], [])
+    assert "0.00 / 0.38 / 0.88 (steps 0, 40, 80; seeds 0, 1)" in bench.markdown(results, 80)
+    out = bench.plot(results, 80, tmp_path / "figures" / "curves.png", "a test series")
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
