@@ -111,6 +111,11 @@ CHECKPOINT_EVERY = 20
 #: from, 0 for a fresh start; ``steps``: the run's; ``metrics``: the file verl's logger wrote; ``started``; ``wall_s``
 #: once known).
 PARTS = "bench_parts.json"
+#: Launches of a run that failed because a port was taken (``EADDRINUSE``) are made again from its last checkpoint, up
+#: to this many times: verl probes a free port for a worker group's rank 0 and binds it seconds later, and any process
+#: on the machine (another run's Ray opening connections) can take it in between. An infrastructure failure, not a
+#: result: the launch again trains from the checkpoint as a stopped machine's would.
+PORT_RETRIES = 2
 
 
 def _latest_checkpoint(run_dir: Path) -> int:
@@ -145,10 +150,12 @@ def stitch(parts: list[dict[str, Any]], run_dir: Path) -> list[dict]:
 
 
 def _run(recipe: Path, run_dir: Path, seed: int, steps: int, overrides: list[str], *,
-         checkpoint_every: int = CHECKPOINT_EVERY, **env_extra: str) -> tuple[list[dict], float, list[int]]:
+         checkpoint_every: int = CHECKPOINT_EVERY, port_retries: int = PORT_RETRIES,
+         **env_extra: str) -> tuple[list[dict], float, list[int]]:
     """Run ``recipe`` for ``steps`` steps in ``run_dir`` (resuming it from its last checkpoint when an earlier
-    invocation was stopped; not at all when one finished it): its metrics (:func:`stitch`), its wall time (the sum of
-    its parts since its start, a stopped part's up to its last logged step) and the steps it was resumed from."""
+    invocation was stopped, or a launch lost a port race (:data:`PORT_RETRIES`); not at all when one finished it): its
+    metrics (:func:`stitch`), its wall time (the sum of its parts since its start, a stopped part's up to its last
+    logged step) and the steps it was resumed from."""
     parts_file = run_dir / PARTS
     parts = json.loads(parts_file.read_text()) if parts_file.exists() else []
     start_step = _latest_checkpoint(run_dir)
@@ -176,6 +183,11 @@ def _run(recipe: Path, run_dir: Path, seed: int, steps: int, overrides: list[str
         parts_file.write_text(json.dumps(parts))
         proc = subprocess.run(["bash", str(recipe), *seeded, *overrides], env=env, capture_output=True, text=True,
                               cwd=run_dir.parent)
+        if proc.returncode != 0 and port_retries > 0 and "EADDRINUSE" in proc.stderr:
+            print(f"{run_dir.name}: a port was taken while main_ppo started (EADDRINUSE); launching again from step "
+                  f"{_latest_checkpoint(run_dir)} ({port_retries - 1} more tries)", flush=True)
+            return _run(recipe, run_dir, seed, steps, overrides, checkpoint_every=checkpoint_every,
+                        port_retries=port_retries - 1, **env_extra)
         if proc.returncode != 0:
             raise RuntimeError(f"{run_dir.name} failed (exit {proc.returncode}; run the benchmark again with --work "
                                f"{run_dir.parent} to resume it from its last checkpoint):\n{proc.stderr[-3000:]}")

@@ -5,7 +5,7 @@ bash script that behaves as ``main_ppo`` does towards the benchmark (verl's file
 ``metrics.jsonl`` at start; a checkpoint every ``trainer.save_freq`` steps and at the last, its step written to
 ``checkpoints/latest_checkpointed_iteration.txt`` last; training resumes after the latest one; the validation
 before training only with ``trainer.val_before_train=true``), and can be told to fail after a given step, which
-leaves the run folder as a stopped machine does. That verl itself resumes so is checked by
+leaves the run folder as a stopped machine does, or to fail its first launches at start-up as a lost port race does. That verl itself resumes so is checked by
 tests/test_main_ppo_policies.py (per-role models resumed on another cluster).
 """
 
@@ -42,6 +42,8 @@ start=0; [ -f "$marker" ] && start=$(cat "$marker")
 if [ "$val" = true ] && (( start > 0 )); then echo "a resumed run validated before training" >&2; exit 4; fi
 part=$(cat "$run/launches" 2>/dev/null || echo 0); echo $((part + 1)) > "$run/launches"
 : > "$run/metrics.jsonl"
+if (( part < ${PORT_TAKEN_LAUNCHES:-0} )); then  # as torch's TCPStore fails when rank 0's probed port was taken
+  echo "torch.distributed.DistNetworkError: port: 37499, code: -98, name: EADDRINUSE" >&2; exit 1; fi
 if [ "$val" = true ]; then echo "{\"step\": $start, \"data\": {\"val\": 1, \"part\": $part}}" >> "$run/metrics.jsonl"; fi
 for ((s = start + 1; s <= total; s++)); do
   echo "{\"step\": $s, \"data\": {\"part\": $part}}" >> "$run/metrics.jsonl"
@@ -114,3 +116,27 @@ def test_stitching_refuses_parts_that_do_not_give_one_row_per_step(tmp_path: Pat
                  {"from_step": 4, "metrics": "c.jsonl"}]
     with pytest.raises(RuntimeError, match="not one row per step in order"):
         bench.stitch(backwards, tmp_path)
+
+
+def test_a_launch_that_lost_a_port_race_is_made_again_from_the_last_checkpoint_and_other_failures_are_not(
+        recipe: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    run_dir = tmp_path / "parallel-seed1"
+    # Stopped after step 6 (checkpoint at 4); invoked again, its next two launches fail at start-up with EADDRINUSE:
+    # launched a third time from step 4 without being invoked again.
+    monkeypatch.setenv("FAIL_AFTER", "6")
+    with pytest.raises(RuntimeError, match="stopped at step 6"):  # not a port race: not launched again
+        bench._run(recipe, run_dir, 1, 8, [], checkpoint_every=4)
+    assert (run_dir / "launches").read_text().strip() == "1"
+    monkeypatch.delenv("FAIL_AFTER")
+    monkeypatch.setenv("PORT_TAKEN_LAUNCHES", "3")  # launches 1 and 2 (counted from 0) fail
+    rows, _, resumed = bench._run(recipe, run_dir, 1, 8, [], checkpoint_every=4)
+    assert (run_dir / "launches").read_text().strip() == "4"
+    assert _origin(rows) == [(s, 0) for s in range(5)] + [(s, 3) for s in range(5, 9)]
+    assert resumed == [4, 4, 4]  # the two failed launches are parts that logged nothing
+    assert capsys.readouterr().out.count("(EADDRINUSE); launching again from step 4") == 2
+    # More lost races than PORT_RETRIES: the run stops and says how to resume it.
+    other = tmp_path / "parallel-seed2"
+    monkeypatch.setenv("PORT_TAKEN_LAUNCHES", str(bench.PORT_RETRIES + 1))
+    with pytest.raises(RuntimeError, match=r"resume it(.|\n)*EADDRINUSE"):
+        bench._run(recipe, other, 2, 8, [], checkpoint_every=4)
+    assert (other / "launches").read_text().strip() == str(bench.PORT_RETRIES + 1)
