@@ -5,8 +5,9 @@ bash script that behaves as ``main_ppo`` does towards the benchmark (verl's file
 ``metrics.jsonl`` at start; a checkpoint every ``trainer.save_freq`` steps and at the last, its step written to
 ``checkpoints/latest_checkpointed_iteration.txt`` last; training resumes after the latest one; the validation
 before training only with ``trainer.val_before_train=true``), and can be told to fail after a given step, which
-leaves the run folder as a stopped machine does, or to fail its first launches at start-up as a lost port race does. That verl itself resumes so is checked by
-tests/test_main_ppo_policies.py (per-role models resumed on another cluster).
+leaves the run folder as a stopped machine does, or to fail its first launches at start-up as a lost port race
+does. That verl itself resumes so is checked by tests/test_main_ppo_policies.py (per-role models resumed on another
+cluster).
 """
 
 from __future__ import annotations
