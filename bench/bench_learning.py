@@ -42,9 +42,11 @@ Every run saves a checkpoint every 20 steps (``--checkpoint-every``). A run stop
 the process killed) resumes from its last checkpoint when the benchmark is invoked again with the same ``--work``
 folder (verl's ``trainer.resume_mode=auto``: weights, optimiser, data loader position; at an epoch boundary verl
 restarts the data order); the steps it had run past that checkpoint are run again, and its metrics are stitched
-from its parts. Its record names the steps it resumed from (``resumed_from``). Runs of one seed are not
-bit-reproducible through ``main_ppo`` in any case: two unbroken 4-step runs of seed 0 already differ at step 1 (the
-scout's mean reward -0.068 and -0.083), so a resumed run is one more sample of its seed's settings.
+from its parts. Its record names the steps it resumed from (``resumed_from``). A launch that fails at start-up
+because a port was taken (two runs side by side race for ports) is made again from the last checkpoint at once
+(:data:`PORT_RETRIES`). Runs of one seed are not bit-reproducible through ``main_ppo`` in any case: two unbroken
+4-step runs of seed 0 already differ at step 1 (the scout's mean reward -0.068 and -0.083), so a resumed run is one
+more sample of its seed's settings.
 
 Usage::
 
