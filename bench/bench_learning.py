@@ -523,6 +523,8 @@ def main() -> None:
     parser.add_argument("--checkpoint-every", type=int, default=CHECKPOINT_EVERY,
                         help=f"steps between a run's checkpoints (default {CHECKPOINT_EVERY}; 0: at the last step only)")
     args = parser.parse_args()
+    if (args.plot or args.markdown) and not args.summary:
+        parser.error("--plot and --markdown describe the recorded runs: give them with --summary")
     spec = WORKFLOWS[args.workflow]
     steps, k, configs = args.steps or spec["steps"], args.k or spec["k"], args.configs or list(spec["configs"])
     settings = settings_fingerprint(spec["recipe"])
