@@ -423,6 +423,19 @@ def read_results(path: Path, workflow: str, steps: int, k: int,
     return out, other
 
 
+def append_record(path: Path, recorded: dict[str, dict[int, dict[str, float]]], record: dict[str, Any]) -> bool:
+    """Append ``record`` to the results file ``path`` and to ``recorded`` (:func:`read_results`), unless ``recorded``
+    holds its figures for its configuration and seed already: a finished run of a configuration that was stopped
+    part-way (``alone``'s first role) is taken as it was when the configuration resumes, not recorded twice."""
+    name, seed, figures = record["config"], record["seed"], record["figures"]
+    if recorded.get(name, {}).get(seed) == figures:
+        return False
+    with path.open("a") as f:
+        f.write(json.dumps(record) + "\n")
+    recorded.setdefault(name, {})[seed] = figures
+    return True
+
+
 def comparisons(results: dict[str, dict[int, dict[str, float]]]) -> list[dict[str, Any]]:
     """The paper's comparisons (:data:`COMPARISONS`) over the seeds both configurations have, per held-out column:
     the paired differences, their mean, the spread across seeds (the larger std of the two) and whether the first
@@ -566,16 +579,12 @@ def main() -> None:
         cells = " | ".join(f"{figures[c]:>11.3f}" if c in figures else f"{'-':>11}" for c in columns)
         print(f"{name:>14} | {seed:>4} | {cells} | {wall:>5.0f}s" + (f" (resumed at {resumed})" if resumed else ""),
               flush=True)
-        if recorded.get(name, {}).get(seed) == figures:
-            return  # a finished run of a configuration stopped part-way (alone's first role), taken as it was
         record = {"workflow": args.workflow, "config": name, "seed": seed, "steps": steps, "k": k,
                   "settings": settings, "figures": figures, "wall_s": round(wall, 1), "commit": commit,
                   "date": time.strftime("%Y-%m-%d", time.gmtime())}
         if resumed:  # its sampling and data order after each of these steps are not an unbroken run's
             record["resumed_from"] = resumed
-        with args.results.open("a") as f:
-            f.write(json.dumps(record) + "\n")
-        recorded.setdefault(name, {})[seed] = figures
+        append_record(args.results, recorded, record)
 
     for seed in args.seeds:
         for c in configs:

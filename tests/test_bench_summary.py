@@ -101,3 +101,19 @@ def test_the_curves_average_the_seeds_at_each_validation_and_the_plot_draws_them
     assert "0.00 / 0.38 / 0.88 (steps 0, 40, 80; seeds 0, 1)" in bench.markdown(results, 80)
     out = bench.plot(results, 80, tmp_path / "figures" / "curves.png", "a test series")
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+
+
+def test_a_run_reported_again_with_the_same_figures_is_not_recorded_twice(tmp_path: Path) -> None:
+    """``alone``'s scout run finished, then the machine was taken back during the walker's: invoked again, the
+    benchmark reports the scout's run from its files (the same figures), which the results file already holds."""
+    path = tmp_path / "r.jsonl"
+    scout = {"workflow": "gridwalk-v0", "config": "scout alone", "seed": 0, "steps": 200, "k": 8, "settings": "aaa",
+             "figures": {"greedy@end": 0.1, "sampled@end": 0.0625, "greedy@all": 1 / 3}}
+    assert bench.append_record(path, {}, scout)
+    recorded, _ = bench.read_results(path, "gridwalk-v0", 200, 8, "aaa")  # the next invocation reads the file
+    assert not bench.append_record(path, recorded, dict(scout))
+    # Another seed, or the same seed with other figures (a --rerun), is a new record.
+    assert bench.append_record(path, recorded, {**scout, "seed": 1})
+    assert bench.append_record(path, recorded, {**scout, "figures": {"greedy@end": 0.2, "sampled@end": 0.0}})
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [(r["seed"], r["figures"]["greedy@end"]) for r in lines] == [(0, 0.1), (1, 0.1), (0, 0.2)]
