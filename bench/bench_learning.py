@@ -230,13 +230,13 @@ def curve(figures: dict[str, float], name: str, steps: int) -> list[tuple[int, f
 
 
 def mean_curve(by_seed: dict[int, dict[str, float]], name: str,
-               steps: int) -> tuple[list[int], list[tuple[int, float]]]:
-    """The seeds whose records hold a whole held-out curve of ``name`` (greedy or sampled: an ``@all`` figure), and the
-    mean over them at each validation step (NaN at a step some of them lack)."""
-    curves = {seed: dict(curve(f, name, steps)) for seed, f in sorted(by_seed.items()) if f"{name}@all" in f}
-    points = sorted({step for c in curves.values() for step in c})
-    return list(curves), [(step, statistics.fmean(c.get(step, float("nan")) for c in curves.values()))
-                          for step in points]
+               steps: int) -> tuple[dict[int, list[tuple[int, float]]], list[tuple[int, float]]]:
+    """The held-out curves of ``name`` (greedy or sampled, :func:`curve`) of the seeds whose records hold a whole one
+    (an ``@all`` figure), by seed, and the mean over them at each validation step (NaN at a step some of them lack)."""
+    curves = {seed: curve(f, name, steps) for seed, f in sorted(by_seed.items()) if f"{name}@all" in f}
+    points = sorted({step for c in curves.values() for step, _ in c})
+    return curves, [(step, statistics.fmean(dict(c).get(step, float("nan")) for c in curves.values()))
+                    for step in points]
 
 
 def plot(results: dict[str, dict[int, dict[str, float]]], steps: int, out: Path, title: str) -> Path:
@@ -252,13 +252,12 @@ def plot(results: dict[str, dict[int, dict[str, float]]], steps: int, out: Path,
     colours = dict(zip(results, plt.rcParams["axes.prop_cycle"].by_key()["color"] * 3, strict=False))
     for ax, name in zip(axes, ("greedy", "sampled"), strict=True):
         for config, by_seed in results.items():
-            seeds, mean = mean_curve(by_seed, name, steps)
-            if seeds:
-                for seed in seeds:
-                    points = curve(by_seed[seed], name, steps)
+            curves, mean = mean_curve(by_seed, name, steps)
+            if curves:
+                for points in curves.values():
                     ax.plot(*zip(*points, strict=True), color=colours[config], alpha=0.25, linewidth=1)
                 ax.plot(*zip(*mean, strict=True), "o-", color=colours[config], linewidth=2,
-                        label=f"{config} (seeds {', '.join(map(str, seeds))})")
+                        label=f"{config} (seeds {', '.join(map(str, curves))})")
             elif ends := [f[f"{name}@end"] for _, f in sorted(by_seed.items()) if f"{name}@end" in f]:
                 ax.plot([steps], [statistics.fmean(ends)], "D", color=colours[config], markersize=8,
                         label=f"{config}, after training (seeds {', '.join(map(str, sorted(by_seed)))})")
@@ -487,11 +486,11 @@ def markdown(results: dict[str, dict[int, dict[str, float]]], steps: int) -> str
 
     def over_training(by_seed: dict[int, dict[str, float]]) -> str:
         """Mean held-out greedy success over the seeds with the whole curve, at each validation step."""
-        seeds, mean = mean_curve(by_seed, "greedy", steps)
-        if not seeds:
+        curves, mean = mean_curve(by_seed, "greedy", steps)
+        if not curves:
             return "-"
         return " / ".join(f"{m:.2f}" for _, m in mean) + f" (steps {', '.join(str(s) for s, _ in mean)}; seeds " \
-            f"{', '.join(map(str, seeds))})"
+            f"{', '.join(map(str, curves))})"
 
     lines = ["| configuration | seeds | held-out greedy after | held-out sampled after | held-out greedy over training "
              "| training success, last 5 steps |",
