@@ -97,7 +97,8 @@ def test_the_curves_average_the_seeds_at_each_validation_and_the_plot_draws_them
     # Seed 2 has no curve: left out of the mean (0.5 and 0.25 at step 40 -> 0.375; 1.0 and 0.75 at 80 -> 0.875).
     greedy = {0: [(0, 0.0), (40, 0.5), (80, 1.0)], 1: [(0, 0.0), (40, 0.25), (80, 0.75)]}
     assert bench.mean_curve(results["at_grpo"], "greedy", 80) == (greedy, [(0, 0.0), (40, 0.375), (80, 0.875)])
-    assert bench.mean_curve(results["at_grpo"], "sampled", 80)[1] == [(0, 0.0), (40, 0.1875), (80, 0.875)]
+    sampled = {0: [(0, 0.0), (40, 0.25), (80, 1.0)], 1: [(0, 0.0), (40, 0.125), (80, 0.75)]}
+    assert bench.mean_curve(results["at_grpo"], "sampled", 80) == (sampled, [(0, 0.0), (40, 0.1875), (80, 0.875)])
     assert bench.mean_curve(results["swapped"], "greedy", 80) == ({}, [])
     assert "0.00 / 0.38 / 0.88 (steps 0, 40, 80; seeds 0, 1)" in bench.markdown(results, 80)
     out = bench.plot(results, 80, tmp_path / "figures" / "curves.png", "a test series")
