@@ -36,7 +36,11 @@ commit, date and a fingerprint of the recipe settings (:func:`settings_fingerpri
 same workflow, configuration, seed, steps, K and settings is not run again
 (``--rerun`` does), and the summary covers every recorded run, so the benchmark (hours on 2 cores) fills its table
 over several invocations. ``--summary`` prints the summary alone. The per-role runs of ``alone`` are recorded as
-``scout alone`` / ``walker alone``: their own validation, i.e. that role trained beside a frozen partner.
+``scout alone`` / ``walker alone``: their own validation, i.e. that role trained beside a frozen partner. Each is
+kept once finished, its transformers model, test split and record, in ``bench/results/models/<series>/`` (beside
+``--results``; not with ``--rerun``), and a role kept there is not trained again: the two roles, hours each, can be
+trained by invocations on different machines (a machine handed back loses its ``--work`` folder), the second of
+which evaluates the combination.
 
 Every run saves a checkpoint every 20 steps (``--checkpoint-every``). A run stopped part-way (the machine taken back,
 the process killed) resumes from its last checkpoint when the benchmark is invoked again with the same ``--work``
@@ -67,6 +71,7 @@ import argparse
 import hashlib
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -296,10 +301,45 @@ def _hf(run_dir: Path, steps: int, position: int, role: str) -> Path:
     return run_dir / "checkpoints" / f"global_step_{steps}" / folder / "huggingface"
 
 
+#: The kept run of a role trained alone: its transformers model, the test split it was validated on, its record.
+KEPT_MODEL, KEPT_TEST, KEPT_RUN = "model", "test.parquet", "run.json"
+
+
+def keep_run(kept: Path, model: Path, test: Path, run: dict[str, Any]) -> None:
+    """Keep a finished per-role run of ``alone`` in ``kept``: the transformers model ``model`` (what ``python -m
+    verl_mas.evaluate --role`` loads), its test split ``test`` and ``run`` (its record's figures, wall time and the
+    steps it resumed from). Written aside and then renamed: a kept folder is whole or absent."""
+    partial = kept.with_name(kept.name + ".partial")
+    if partial.exists():  # an earlier keep stopped part-way
+        shutil.rmtree(partial)
+    shutil.copytree(model, partial / KEPT_MODEL)
+    shutil.copy2(test, partial / KEPT_TEST)
+    (partial / KEPT_RUN).write_text(json.dumps(run, indent=1) + "\n")
+    if kept.exists():
+        shutil.rmtree(kept)
+    partial.rename(kept)
+
+
+def kept_run(kept: Path) -> dict[str, Any] | None:
+    """A run kept by :func:`keep_run` (its ``run`` with ``model`` and ``test``, the paths to load), None when
+    ``kept`` holds none."""
+    if not (kept / KEPT_RUN).exists():
+        return None
+    run = json.loads((kept / KEPT_RUN).read_text())
+    missing = [name for name in (KEPT_MODEL, KEPT_TEST) if not (kept / name).exists()]
+    if missing or not {"figures", "wall_s", "resumed_from"} <= run.keys():
+        raise RuntimeError(f"{kept} is a kept run without {missing or 'figures, wall_s and resumed_from'}: remove "
+                           "the folder, and the role is trained again")
+    return {**run, "model": kept / KEPT_MODEL, "test": kept / KEPT_TEST}
+
+
 def run_seed(workflow: str, configs: list[str], seed: int, steps: int, k: int, work: Path,
-             report, checkpoint_every: int = CHECKPOINT_EVERY) -> None:
+             report, checkpoint_every: int = CHECKPOINT_EVERY, kept: Path | None = None) -> None:
     """Run ``configs`` for ``seed`` in ``work``; every figure goes to ``report(name, seed, figures, wall_s, resumed)``
-    (``resumed``: the steps a run was resumed from, see :func:`_run`)."""
+    (``resumed``: the steps a run was resumed from, see :func:`_run`). With ``kept`` (a folder of the series), each
+    finished per-role run of ``alone`` is kept there (:func:`keep_run`) and a role kept there is not trained again:
+    its two roles (hours each) can be trained by different invocations on different machines, and the combination
+    evaluated by the second."""
     spec = WORKFLOWS[workflow]
     recipe, roles = spec["recipe"], spec["roles"]
     every = steps // spec["validations"] if steps % spec["validations"] == 0 else steps
@@ -325,16 +365,25 @@ def run_seed(workflow: str, configs: list[str], seed: int, steps: int, k: int, w
             swapped = dict(zip(roles, reversed(list(models.values())), strict=True))
             report("swapped", seed, evaluate(test, swapped, spec, work), 0.0, resumed)
         elif name == "alone":
-            models, wall, resumed = {}, 0.0, []
+            models, tests, wall, resumed = {}, [], 0.0, []
             for i, role in enumerate(roles):
-                frozen = [f"+mas.policies.{other}.frozen=true" for other in roles if other != role]
-                rows, w, r = run(f"alone-{role}-seed{seed}", [*ablation("at_grpo", k), *save, *frozen])
-                wall += w
-                resumed += r
-                models[role] = _hf(work / f"alone-{role}-seed{seed}", steps, i, role)
-                report(f"{role} alone", seed, validation(rows), w, r)
-            test = work / f"alone-{roles[0]}-seed{seed}" / "data" / "test.parquet"
-            report("alone", seed, evaluate(test, models, spec, work), wall, resumed)
+                run_name = f"alone-{role}-seed{seed}"
+                done = kept_run(kept / run_name) if kept is not None else None
+                if done is None:
+                    frozen = [f"+mas.policies.{other}.frozen=true" for other in roles if other != role]
+                    rows, w, r = run(run_name, [*ablation("at_grpo", k), *save, *frozen])
+                    done = {"figures": validation(rows), "wall_s": w, "resumed_from": r,
+                            "model": _hf(work / run_name, steps, i, role), "test": work / run_name / "data" / KEPT_TEST}
+                    if kept is not None:
+                        keep_run(kept / run_name, done["model"], done["test"],
+                                 {key: done[key] for key in ("figures", "wall_s", "resumed_from")})
+                else:
+                    print(f"{role + ' alone':>14} | {seed:>4} | trained earlier, kept in {kept / run_name}", flush=True)
+                # Reported again when kept: recorded once (append_record), restored if the results lost it.
+                report(f"{role} alone", seed, done["figures"], done["wall_s"], done["resumed_from"])
+                models[role], wall, resumed = done["model"], wall + done["wall_s"], resumed + done["resumed_from"]
+                tests.append(done["test"])
+            report("alone", seed, evaluate(tests[0], models, spec, work), wall, resumed)
         elif name == "single":
             if not spec["single"]:
                 raise SystemExit(f"{workflow} has no single-agent variant")
@@ -353,6 +402,10 @@ def _mean_std(values: list[float]) -> tuple[float, float]:
 RESULTS = REPO / "bench" / "results" / "bench_learning.jsonl"
 #: Seeds a comparison needs before it says whether one configuration is above the other (the issue's: >= 3).
 MIN_SEEDS = 3
+#: The folder beside the results file where the per-role runs of ``alone`` are kept (:func:`keep_run`), a folder per
+#: series (workflow, steps, K, settings): ~0.5 MB a role on gridwalk-v0, committed with the records, so that the
+#: combination is evaluated when the second role has trained, whichever machine trained the first.
+KEPT = "models"
 #: What a configuration writes to the results file: its own record, and for ``together``/``alone`` the evaluations
 #: made from its checkpoints (the last name decides whether the configuration still has to run).
 RECORDS = {"together": ("together", "swapped"), "alone": ("scout alone", "walker alone", "alone")}
@@ -573,6 +626,8 @@ def main() -> None:
     print(f"{'config':>14} | {'seed':>4} | " + " | ".join(f"{c:>11}" for c in columns) + " |   wall", flush=True)
     commit = _commit()
     args.results.parent.mkdir(parents=True, exist_ok=True)
+    # Beside the results, per series: the roles trained alone (--rerun trains them again and keeps none).
+    kept = None if args.rerun else args.results.parent / KEPT / f"{args.workflow}-{steps}steps-k{k}-{settings}"
 
     def report(name: str, seed: int, figures: dict[str, float], wall: float, resumed: list[int]) -> None:
         cells = " | ".join(f"{figures[c]:>11.3f}" if c in figures else f"{'-':>11}" for c in columns)
@@ -590,7 +645,7 @@ def main() -> None:
             if seed not in todo.get(c, ()):
                 print(f"{c:>14} | {seed:>4} | recorded in {args.results.name}", flush=True)
         if runs := [c for c in configs if seed in todo.get(c, ())]:
-            run_seed(args.workflow, runs, seed, steps, k, work, report, args.checkpoint_every)
+            run_seed(args.workflow, runs, seed, steps, k, work, report, args.checkpoint_every, kept)
     print()
     print(summary(recorded))
 

@@ -7,7 +7,8 @@ bash script that behaves as ``main_ppo`` does towards the benchmark (verl's file
 before training only with ``trainer.val_before_train=true``), and can be told to fail after a given step, which
 leaves the run folder as a stopped machine does, or to fail its first launches at start-up as a lost port race
 does. That verl itself resumes so is checked by tests/test_main_ppo_policies.py (per-role models resumed on another
-cluster).
+cluster). A machine handed back loses the ``--work`` folder too: the roles trained alone are kept beside the results
+once finished, and a second machine trains only the role not kept and evaluates the two together.
 """
 
 from __future__ import annotations
@@ -141,3 +142,83 @@ def test_a_launch_that_lost_a_port_race_is_made_again_from_the_last_checkpoint_a
     with pytest.raises(RuntimeError, match=r"resume it(.|\n)*EADDRINUSE"):
         bench._run(recipe, other, 2, 8, [], checkpoint_every=4)
     assert (other / "launches").read_text().strip() == str(bench.PORT_RETRIES + 1)
+
+
+# A per-role run as the benchmark's ``alone`` sees it: held-out success before and after, training success, the
+# test split, and at the last step a transformers model per policy (``actor/`` the first role's, ``actor_<role>``)
+# whose file names the run and the folder. Fails at start-up when its run folder is $FAIL_RUN.
+PER_ROLE_RECIPE = r"""#!/usr/bin/env bash
+exec "$PYTHON" - "$@" <<'PY'
+import json, os, sys
+from pathlib import Path
+args = dict(a.split("=", 1) for a in sys.argv[1:] if "=" in a)
+run = Path(os.environ["VERL_MAS_RUN_DIR"])
+if run.name == os.environ.get("FAIL_RUN"):
+    sys.exit(f"{run.name}: stopped")
+total = int(args["trainer.total_training_steps"])
+(run / "data").mkdir(parents=True, exist_ok=True)
+(run / "data" / "test.parquet").write_text("the test split")
+val = lambda v: {"val-aux/gw/acc_greedy/mean@4": v, "val-core/gw/acc/mean@4": v / 2}
+rows = [{"step": 0, "data": val(0.0)}] + [{"step": s, "data": {"mas/success_rate": s / total, "timing_s/step": 2.0}}
+                                          for s in range(1, total + 1)]
+rows[-1]["data"].update(val(0.5 if "scout" in run.name else 0.25))  # the last step's validation, in its row
+(run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+for folder in ("actor", "actor_walker"):
+    hf = run / "checkpoints" / f"global_step_{total}" / folder / "huggingface"
+    hf.mkdir(parents=True)
+    (hf / "model.safetensors").write_text(f"{run.name}:{folder}")
+(run / "checkpoints" / "latest_checkpointed_iteration.txt").write_text(str(total))
+PY
+"""
+
+
+def test_a_role_trained_alone_is_kept_and_the_next_invocation_on_another_machine_trains_only_the_other(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    recipe = tmp_path / "per_role.sh"
+    recipe.write_text(PER_ROLE_RECIPE)
+    monkeypatch.setitem(bench.WORKFLOWS, "gw", {"recipe": recipe, "roles": ("scout", "walker"), "steps": 4,
+                                                "validations": 1, "turns": 2, "tokens": 1})
+    evaluated, reports = [], []
+    monkeypatch.setattr(bench, "evaluate", lambda test, models, spec, work: evaluated.append(
+        (test.read_text(), {role: (path / "model.safetensors").read_text() for role, path in models.items()}))
+        or {"greedy@end": 0.75, "sampled@end": 0.5})
+    kept = tmp_path / "results" / "models" / "gw-4steps-k2-abc"
+
+    def invoke(work: Path) -> None:
+        bench.run_seed("gw", ["alone"], 0, 4, 2, work, lambda *record: reports.append(record), 2, kept)
+
+    # The first machine trains the scout and is taken back while the walker trains.
+    monkeypatch.setenv("FAIL_RUN", "alone-walker-seed0")
+    with pytest.raises(RuntimeError, match="alone-walker-seed0 failed"):
+        invoke(tmp_path / "machine1")
+    # train end: the mean of the last 5 steps' success, here all 4: (1 + 2 + 3 + 4) / 16.
+    scout = {"greedy@0": 0.0, "greedy@end": 0.5, "sampled@0": 0.0, "sampled@end": 0.25, "train end": 0.625,
+             "step s": 2.0}
+    assert [(name, seed, figures, resumed) for name, seed, figures, _, resumed in reports] == [
+        ("scout alone", 0, scout, [])]
+    scout_wall = reports[0][3]
+    assert sorted(p.name for p in kept.iterdir()) == ["alone-scout-seed0"]  # nothing of the walker's run
+    assert (kept / "alone-scout-seed0" / "model" / "model.safetensors").read_text() == "alone-scout-seed0:actor"
+    assert (kept / "alone-scout-seed0" / "test.parquet").read_text() == "the test split"
+    assert json.loads((kept / "alone-scout-seed0" / "run.json").read_text()) == {
+        "figures": scout, "wall_s": scout_wall, "resumed_from": []}
+
+    # Another machine, its --work folder empty: the scout is taken as kept, the walker trained, the two combined.
+    monkeypatch.delenv("FAIL_RUN")
+    reports.clear()
+    invoke(tmp_path / "machine2")
+    assert not (tmp_path / "machine2" / "alone-scout-seed0").exists()
+    assert evaluated == [("the test split", {"scout": "alone-scout-seed0:actor",
+                                             "walker": "alone-walker-seed0:actor_walker"})]
+    (name, _, figures, wall, _), (walker_name, _, walker, walker_wall, _), (combined, _, team, team_wall, _) = reports
+    assert (name, figures, wall) == ("scout alone", scout, scout_wall)  # again, as recorded: append_record skips it
+    assert (walker_name, walker["greedy@end"], combined, team) == ("walker alone", 0.25, "alone",
+                                                                  {"greedy@end": 0.75, "sampled@end": 0.5})
+    assert team_wall == pytest.approx(scout_wall + walker_wall)
+    assert sorted(p.name for p in kept.iterdir()) == ["alone-scout-seed0", "alone-walker-seed0"]
+
+    # A kept folder that lost its model is refused, not trained around or evaluated without it.
+    (kept / "alone-walker-seed0" / "model" / "model.safetensors").unlink()
+    (kept / "alone-walker-seed0" / "model").rmdir()
+    with pytest.raises(RuntimeError, match="alone-walker-seed0 is a kept run without \\['model'\\]: remove"):
+        invoke(tmp_path / "machine3")
