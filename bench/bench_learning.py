@@ -303,6 +303,8 @@ def _hf(run_dir: Path, steps: int, position: int, role: str) -> Path:
 
 #: The kept run of a role trained alone: its transformers model, the test split it was validated on, its record.
 KEPT_MODEL, KEPT_TEST, KEPT_RUN = "model", "test.parquet", "run.json"
+#: What a kept run's record holds: the role's figures, its wall time and the steps it resumed from.
+KEPT_RECORD = ("figures", "wall_s", "resumed_from")
 
 
 def keep_run(kept: Path, model: Path, test: Path, run: dict[str, Any]) -> None:
@@ -327,8 +329,8 @@ def kept_run(kept: Path) -> dict[str, Any] | None:
         return None
     run = json.loads((kept / KEPT_RUN).read_text())
     missing = [name for name in (KEPT_MODEL, KEPT_TEST) if not (kept / name).exists()]
-    if missing or not {"figures", "wall_s", "resumed_from"} <= run.keys():
-        raise RuntimeError(f"{kept} is a kept run without {missing or 'figures, wall_s and resumed_from'}: remove "
+    if missing or not set(KEPT_RECORD) <= run.keys():
+        raise RuntimeError(f"{kept} is a kept run without {missing or ', '.join(KEPT_RECORD)}: remove "
                            "the folder, and the role is trained again")
     return {**run, "model": kept / KEPT_MODEL, "test": kept / KEPT_TEST}
 
@@ -365,7 +367,7 @@ def run_seed(workflow: str, configs: list[str], seed: int, steps: int, k: int, w
             swapped = dict(zip(roles, reversed(list(models.values())), strict=True))
             report("swapped", seed, evaluate(test, swapped, spec, work), 0.0, resumed)
         elif name == "alone":
-            models, tests, wall, resumed = {}, [], 0.0, []
+            models, wall, resumed = {}, 0.0, []
             for i, role in enumerate(roles):
                 run_name = f"alone-{role}-seed{seed}"
                 done = kept_run(kept / run_name) if kept is not None else None
@@ -373,17 +375,18 @@ def run_seed(workflow: str, configs: list[str], seed: int, steps: int, k: int, w
                     frozen = [f"+mas.policies.{other}.frozen=true" for other in roles if other != role]
                     rows, w, r = run(run_name, [*ablation("at_grpo", k), *save, *frozen])
                     done = {"figures": validation(rows), "wall_s": w, "resumed_from": r,
-                            "model": _hf(work / run_name, steps, i, role), "test": work / run_name / "data" / KEPT_TEST}
+                            "model": _hf(work / run_name, steps, i, role),
+                            "test": work / run_name / "data" / "test.parquet"}
                     if kept is not None:
-                        keep_run(kept / run_name, done["model"], done["test"],
-                                 {key: done[key] for key in ("figures", "wall_s", "resumed_from")})
+                        keep_run(kept / run_name, done["model"], done["test"], {key: done[key] for key in KEPT_RECORD})
                 else:
                     print(f"{role + ' alone':>14} | {seed:>4} | trained earlier, kept in {kept / run_name}", flush=True)
                 # Reported again when kept: recorded once (append_record), restored if the results lost it.
                 report(f"{role} alone", seed, done["figures"], done["wall_s"], done["resumed_from"])
                 models[role], wall, resumed = done["model"], wall + done["wall_s"], resumed + done["resumed_from"]
-                tests.append(done["test"])
-            report("alone", seed, evaluate(tests[0], models, spec, work), wall, resumed)
+                if i == 0:  # every run of the recipe writes the same test split (its data seed is fixed)
+                    test = done["test"]
+            report("alone", seed, evaluate(test, models, spec, work), wall, resumed)
         elif name == "single":
             if not spec["single"]:
                 raise SystemExit(f"{workflow} has no single-agent variant")
