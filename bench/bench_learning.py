@@ -35,7 +35,9 @@ Every finished run is appended to ``bench/results/bench_learning.jsonl`` (``--re
 commit, date and a fingerprint of the recipe settings (:func:`settings_fingerprint`); a run recorded there for the
 same workflow, configuration, seed, steps, K and settings is not run again
 (``--rerun`` does), and the summary covers every recorded run, so the benchmark (hours on 2 cores) fills its table
-over several invocations. ``--summary`` prints the summary alone. The per-role runs of ``alone`` are recorded as
+over several invocations. ``--summary`` prints the summary alone, of the recipe's current settings or, given
+``--settings FINGERPRINT``, of an earlier series (a changed recipe or config group ends a series; its tables stay
+reproducible). The per-role runs of ``alone`` are recorded as
 ``scout alone`` / ``walker alone``: their own validation, i.e. that role trained beside a frozen partner. Each is
 kept once finished, its transformers model, test split and record, in ``bench/results/models/<series>/`` (beside
 ``--results``; not with ``--rerun``), and a role kept there is not trained again: the two roles, hours each, can be
@@ -58,6 +60,7 @@ Usage::
     python bench/bench_learning.py --workflow gridwalk-v0     # every comparison, 200 steps, 3 seeds
     python bench/bench_learning.py --workflow gridwalk-v0 --configs at_grpo parallel --seeds 0 --steps 50
     python bench/bench_learning.py --workflow gridwalk-v0 --summary [--markdown]   # the recorded runs, nothing run
+    python bench/bench_learning.py --workflow gridwalk-v0 --summary --settings 15797d77176f   # an earlier series
     python bench/bench_learning.py --workflow gridwalk-v0 --summary --plot docs/figures/gridwalk_learning.png
     python bench/bench_learning.py --workflow gridwalk-v0 --configs parallel --seeds 1 --work runs/bench_w1  # stop it,
     python bench/bench_learning.py --workflow gridwalk-v0 --configs parallel --seeds 1 --work runs/bench_w1  # resumed
@@ -452,12 +455,12 @@ def settings_fingerprint(recipe: Path) -> str:
 
 
 def read_results(path: Path, workflow: str, steps: int, k: int,
-                 settings: str) -> tuple[dict[str, dict[int, dict[str, float]]], int]:
+                 settings: str) -> tuple[dict[str, dict[int, dict[str, float]]], dict[str, int]]:
     """``{record name: {seed: figures}}`` of the runs recorded in ``path`` for ``workflow`` at ``steps`` and ``k`` with
     the settings fingerprint ``settings`` (a seed recorded twice keeps its last record), and how many records of
-    the same workflow, steps and K were left out for other settings."""
+    the same workflow, steps and K were left out, per other settings fingerprint (the earlier series)."""
     out: dict[str, dict[int, dict[str, float]]] = {}
-    other = 0
+    other: dict[str, int] = {}
     if not path.exists():
         return out, other
     for number, line in enumerate(path.read_text().splitlines(), start=1):
@@ -474,7 +477,7 @@ def read_results(path: Path, workflow: str, steps: int, k: int,
             if recorded == settings:
                 out.setdefault(name, {})[seed] = figures
             else:
-                other += 1
+                other[recorded] = other.get(recorded, 0) + 1
     return out, other
 
 
@@ -584,6 +587,9 @@ def main() -> None:
     parser.add_argument("--markdown", action="store_true", help="with --summary: as Markdown tables")
     parser.add_argument("--plot", type=Path, default=None,
                         help="with --summary: also write a PNG of held-out success over training per configuration")
+    parser.add_argument("--settings", default=None, metavar="FINGERPRINT",
+                        help="with --summary: the series of these recipe settings (a fingerprint the records name, "
+                             "e.g. one the docs quote) instead of the recipe's current ones")
     parser.add_argument("--work", type=Path, default=None,
                         help="the folder the runs are made in (default: a new temporary one); given the folder of an "
                              "earlier invocation that was stopped, its runs resume from their last checkpoint (every "
@@ -591,15 +597,22 @@ def main() -> None:
     parser.add_argument("--checkpoint-every", type=int, default=CHECKPOINT_EVERY,
                         help=f"steps between a run's checkpoints (default {CHECKPOINT_EVERY}; 0: at the last step only)")
     args = parser.parse_args()
-    if (args.plot or args.markdown) and not args.summary:
-        parser.error("--plot and --markdown describe the recorded runs: give them with --summary")
+    if (args.plot or args.markdown or args.settings) and not args.summary:
+        parser.error("--plot, --markdown and --settings describe the recorded runs: give them with --summary (runs "
+                     "are made with the recipe's current settings)")
     spec = WORKFLOWS[args.workflow]
     steps, k, configs = args.steps or spec["steps"], args.k or spec["k"], args.configs or list(spec["configs"])
-    settings = settings_fingerprint(spec["recipe"])
+    current = settings_fingerprint(spec["recipe"])
+    settings = args.settings or current
     recorded, other = read_results(args.results, args.workflow, steps, k, settings)
-    series = (f"{args.workflow}, {steps} steps, K={k}, recipe settings {settings}; {args.results.name} has "
-              f"{sum(map(len, recorded.values()))} records of these" + (f" and {other} of other settings (left out)"
-                                                                       if other else ""))
+    if args.settings and not recorded:
+        raise SystemExit(f"--settings {args.settings}: {args.results} holds no {args.workflow} record of {steps} steps "
+                         f"and K={k} with these settings; it holds these: "
+                         + (", ".join(f"{fp} ({n})" for fp, n in other.items()) or "none"))
+    series = (f"{args.workflow}, {steps} steps, K={k}, recipe settings {settings}"
+              + (" (the recipe's current ones)" if settings == current else f" (the recipe's current ones: {current})")
+              + f"; {args.results.name} has {sum(map(len, recorded.values()))} records of these"
+              + (" and, left out, " + ", ".join(f"{n} of settings {fp}" for fp, n in other.items()) if other else ""))
     todo = still_to_run(recorded, configs, args.seeds) if not args.rerun else {c: list(args.seeds) for c in configs}
     if args.summary:
         print(series)

@@ -70,11 +70,45 @@ def test_records_of_other_settings_are_counted_and_left_out_and_a_seed_recorded_
                                rec("at_grpo", 2, 1.0, steps=40), ""]) + "\n")
     results, other = bench.read_results(path, "gridwalk-v0", 200, 8, "aaa")
     assert results == {"at_grpo": {0: {"greedy@end": 0.75}}}
-    assert other == 1  # seed 1's other settings; seed 2's 40 steps are another workflow length, not counted
+    assert other == {"bbb": 1}  # seed 1's other settings; seed 2's 40 steps are another workflow length, not counted
 
     path.write_text(rec("at_grpo", 0, 0.5) + "\n{\"config\": \"at_grpo\"}\n")
     with pytest.raises(SystemExit, match=r"r.jsonl:2 is not a bench_learning record"):
         bench.read_results(path, "gridwalk-v0", 200, 8, "aaa")
+
+
+def test_the_summary_of_an_earlier_series_is_asked_for_by_its_settings_fingerprint(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """A changed recipe or config group starts a new series; the tables the docs quote from the one before stay
+    reproducible with ``--summary --settings <its fingerprint>``."""
+    def rec(config: str, seed: int, value: float, settings: str) -> str:
+        return json.dumps({"workflow": "gridwalk-v0", "config": config, "seed": seed, "steps": 200, "k": 8,
+                           "settings": settings, "figures": {"greedy@end": value, "sampled@end": value}})
+
+    path = tmp_path / "r.jsonl"
+    path.write_text("\n".join([rec("at_grpo", 0, 0.25, "old1"), rec("at_grpo", 1, 0.75, "old1"),
+                               rec("at_grpo", 0, 1.0, "old2")]) + "\n")
+    current = bench.settings_fingerprint(bench.WORKFLOWS["gridwalk-v0"]["recipe"])
+
+    def main(*argv: str) -> str:
+        monkeypatch.setattr("sys.argv", ["bench_learning.py", "--workflow", "gridwalk-v0", "--results", str(path),
+                                         *argv])
+        bench.main()
+        return capsys.readouterr().out
+
+    out = main("--summary", "--settings", "old1")
+    assert f"recipe settings old1 (the recipe's current ones: {current}); r.jsonl has 2 records of these and, " \
+           "left out, 1 of settings old2" in out
+    assert "at_grpo (seeds [0, 1]): greedy@end 0.500 +- 0.354" in out  # mean and sample std of 0.25 and 0.75
+    out = main("--summary")  # the current settings: none of these records
+    assert f"recipe settings {current} (the recipe's current ones); r.jsonl has 0 records of these and, left out, " \
+           "2 of settings old1, 1 of settings old2" in out
+    with pytest.raises(SystemExit, match=r"--settings 0ld1: .* holds no gridwalk-v0 record of 200 steps and K=8 with "
+                                         r"these settings; it holds these: old1 \(2\), old2 \(1\)"):
+        main("--summary", "--settings", "0ld1")  # a mistyped fingerprint is not an empty series
+    with pytest.raises(SystemExit) as refused:  # runs are made with the current settings only
+        main("--settings", "old1")
+    assert refused.value.code == 2 and "give them with --summary" in capsys.readouterr().err
 
 
 def test_what_is_still_to_run_goes_by_the_last_record_a_configuration_writes() -> None:
