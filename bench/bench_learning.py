@@ -60,7 +60,7 @@ Usage::
     python bench/bench_learning.py --workflow gridwalk-v0     # every comparison, 200 steps, 3 seeds
     python bench/bench_learning.py --workflow gridwalk-v0 --configs at_grpo parallel --seeds 0 --steps 50
     python bench/bench_learning.py --workflow gridwalk-v0 --summary [--markdown]   # the recorded runs, nothing run
-    python bench/bench_learning.py --workflow gridwalk-v0 --summary --settings 15797d77176f   # one series, by its fingerprint
+    python bench/bench_learning.py --workflow gridwalk-v0 --summary --settings 15797d77176f  # a series by its settings
     python bench/bench_learning.py --workflow gridwalk-v0 --summary --plot docs/figures/gridwalk_learning.png
     python bench/bench_learning.py --workflow gridwalk-v0 --configs parallel --seeds 1 --work runs/bench_w1  # stop it,
     python bench/bench_learning.py --workflow gridwalk-v0 --configs parallel --seeds 1 --work runs/bench_w1  # resumed
